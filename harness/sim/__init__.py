@@ -1,0 +1,123 @@
+"""`sim`: a simulated young accelerator, plugged into PyTorch through the PrivateUse1 dispatch key.
+
+Importing this package (or just `import torch`, via the ``torch.backends`` autoload entry point)
+renames PrivateUse1 to ``sim``, registers the `torch.sim` device module and generates the
+Tensor/Module helpers, after which ``torch.ones(2, device="sim")``, ``t.to("sim:1")``,
+``model.to("sim")``, ``t.is_sim`` and ``t.cpu()`` behave as on any accelerator. Memory is host
+memory, but tensors really live on ``sim``: mixing a sim and a CPU tensor in one op fails the way
+CUDA does.
+
+Behaviours that make it a realistic target, each one switch (env var / function / context manager):
+
+========== ============================ ===================================== ======================
+behaviour  env var                      API                                   values
+========== ============================ ===================================== ======================
+precision  PORTHARNESS_SIM_PRECISION    set_precision / precision()           default (bf16 matmul
+                                                                              inputs), highest
+op set     PORTHARNESS_SIM_OPS          set_op_profile / op_profile()         young (default), full,
+                                                                              or a profile file
+faults     PORTHARNESS_SIM_FAULTS       set_faults / clear_faults / faults()  nan, garbage, error,
+                                                                              hang, crash per device
+devices    PORTHARNESS_SIM_DEVICES      (read at import)                      device count, def. 2
+========== ============================ ===================================== ======================
+
+FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
+it raises PyTorch's own "FlexAttention is only supported on ..." ValueError.
+
+This package depends only on torch; nothing here knows about the harness runner.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from .opset import get_op_profile, op_profile, profile_names, set_op_profile
+from .precision import get_precision, precision, set_precision
+
+# Submodules are fetched this way because the context managers re-exported above shadow their names.
+_device_mod = importlib.import_module(".device", __package__)
+
+__all__ = [
+    "SimDeviceError",
+    "active_faults",
+    "clear_faults",
+    "device_count",
+    "faults",
+    "get_op_profile",
+    "get_precision",
+    "injected_counts",
+    "is_registered",
+    "op_profile",
+    "precision",
+    "profile_names",
+    "set_faults",
+    "set_op_profile",
+    "set_precision",
+    "settings",
+]
+
+BACKEND_NAME = "sim"
+_registered = False
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", BACKEND_NAME):
+        raise RuntimeError(
+            f"PrivateUse1 is already claimed by backend {current!r} in this process; "
+            "only one PrivateUse1 backend can be loaded at a time"
+        )
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    if current == BACKEND_NAME and hasattr(torch, BACKEND_NAME):
+        raise RuntimeError("a different 'sim' backend is already registered in this process")
+    _setup_privateuseone_for_python_backend(
+        BACKEND_NAME, backend_module=_device_mod, hook=_Hooks(), device_guard=_Guard()
+    )
+    from . import kernels
+
+    kernels.register()
+    _registered = True
+
+
+def _autoload() -> None:
+    """Entry point for ``torch.backends`` autoloading (runs inside `import torch`)."""
+    _register()
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def device_count() -> int:
+    return _device_mod.device_count()
+
+
+def settings() -> dict[str, str]:
+    """The switches in force, for recording next to results."""
+    return {"precision": get_precision(), "ops": get_op_profile().name}
+
+
+_register()

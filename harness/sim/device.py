@@ -1,0 +1,150 @@
+"""The `torch.sim` device module: the contract PyTorch expects of a PrivateUse1 backend.
+
+`torch.utils.backend_registration` looks these functions up by name (device count, current device,
+RNG hooks used by `torch.manual_seed`, AMP dtypes). Simulated devices are independent: each has its
+own current-device slot and its own RNG, so seeding `sim:1` never perturbs `sim:0`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+DEVICE_COUNT_ENV = "PORTHARNESS_SIM_DEVICES"
+DEFAULT_DEVICE_COUNT = 2
+
+
+def _read_device_count() -> int:
+    raw = os.environ.get(DEVICE_COUNT_ENV, str(DEFAULT_DEVICE_COUNT))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count") from None
+    if n < 1:
+        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count")
+    return n
+
+
+_count = _read_device_count()
+_current = 0
+_generators: list[torch.Generator] = [torch.Generator() for _ in range(_count)]
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return _count
+
+
+def _check_index(index: int) -> int:
+    if not 0 <= index < _count:
+        raise RuntimeError(
+            f"sim device index {index} out of range: {_count} simulated devices "
+            f"(set {DEVICE_COUNT_ENV} to simulate more)"
+        )
+    return index
+
+
+def _index_of(device: torch.device | str | int | None) -> int:
+    if device is None:
+        return _current
+    if isinstance(device, int):
+        return _check_index(device)
+    device = torch.device(device)
+    if device.type != "sim":
+        raise ValueError(f"expected a sim device, got {device}")
+    return _current if device.index is None else _check_index(device.index)
+
+
+def current_device() -> int:
+    return _current
+
+
+def set_device(device: torch.device | str | int) -> None:
+    global _current
+    _current = _index_of(device)
+
+
+@contextmanager
+def device(dev: torch.device | str | int) -> Iterator[None]:
+    """Make `dev` the current sim device inside the block (like `torch.cuda.device`)."""
+    global _current
+    prev, _current = _current, _index_of(dev)
+    try:
+        yield
+    finally:
+        _current = prev
+
+
+def synchronize(device: torch.device | str | int | None = None) -> None:
+    # Kernels run eagerly on the host, so there is never outstanding work; validate the index anyway.
+    _index_of(device)
+
+
+def generator(index: int) -> torch.Generator:
+    """The RNG that random kernels on `sim:index` draw from."""
+    return _generators[_check_index(index)]
+
+
+def manual_seed(seed: int) -> None:
+    _generators[_current].manual_seed(int(seed))
+
+
+def manual_seed_all(seed: int) -> None:
+    for g in _generators:
+        g.manual_seed(int(seed))
+
+
+def seed() -> None:
+    _generators[_current].seed()
+
+
+def seed_all() -> None:
+    for g in _generators:
+        g.seed()
+
+
+def initial_seed() -> int:
+    return _generators[_current].initial_seed()
+
+
+def get_rng_state(device: torch.device | str | int = "sim") -> torch.Tensor:
+    return _generators[_index_of(device)].get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: torch.device | str | int = "sim") -> None:
+    _generators[_index_of(device)].set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [g.get_state() for g in _generators]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for g, s in zip(_generators, new_states, strict=True):
+        g.set_state(s)
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def _is_autocast_enabled() -> bool:
+    return torch.is_autocast_enabled("sim")
+
+
+def get_device_name(device: torch.device | str | int | None = None) -> str:
+    return f"portharness sim accelerator {_index_of(device)}"

@@ -1,0 +1,171 @@
+"""Injectable device faults, per simulated device, for resilience testing.
+
+Real fleets lose runs to a single sick chip: NaN storms from bad memory, driver errors, hangs,
+hard crashes. Each `sim` device can be made sick in one of these ways, checked on every kernel
+launch on that device:
+
+- ``nan``: a freshly computed floating-point output is filled with NaN.
+- ``garbage``: a freshly computed floating-point output is overwritten with large random values.
+- ``error``: the kernel raises `SimDeviceError` (a RuntimeError, like a CUDA/XLA runtime error).
+- ``hang``: the kernel sleeps for ``hang_s`` seconds (default: an hour, i.e. a hang).
+- ``crash``: the process dies from SIGSEGV, as a driver segfault would.
+
+Each kind has a per-launch probability; draws come from a per-device RNG seeded from ``seed``, so a
+given spec fails the same launches every run.
+
+Switch: env ``PORTHARNESS_SIM_FAULTS`` (e.g. ``sim:1=nan:1.0;sim:0=error:0.05,hang:0.01@seed=3``),
+`set_faults()` / `clear_faults()`, or the `faults()` context manager.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+FAULTS_ENV = "PORTHARNESS_SIM_FAULTS"
+KINDS = ("crash", "hang", "error", "nan", "garbage")
+
+
+class SimDeviceError(RuntimeError):
+    """An (injected) device runtime error: the device, not the model, is at fault."""
+
+
+@dataclass
+class DeviceFaults:
+    """Fault probabilities for one device plus the RNG that decides each launch."""
+
+    probabilities: dict[str, float]
+    seed: int = 0
+    hang_s: float = 3600.0
+    rng: random.Random = field(init=False, repr=False)
+    injected: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        for kind, p in self.probabilities.items():
+            if kind not in KINDS:
+                raise ValueError(f"unknown sim fault kind {kind!r}; expected one of {', '.join(KINDS)}")
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"sim fault {kind}: probability {p} not in [0, 1]")
+        self.rng = random.Random(self.seed)
+        self.injected = dict.fromkeys(KINDS, 0)
+
+
+# device index -> faults; empty on a healthy machine so the dispatch hot path skips it entirely.
+_active: dict[int, DeviceFaults] = {}
+
+
+def _device_index(device: str | int) -> int:
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "sim":
+        raise ValueError(f"faults can only be injected on sim devices, got {device!r}")
+    return d.index or 0
+
+
+def set_faults(device: str | int, *, seed: int = 0, hang_s: float = 3600.0, **probabilities: float) -> None:
+    """Make `device` faulty, e.g. ``set_faults("sim:1", nan=1.0)``. Replaces earlier faults there."""
+    idx = _device_index(device)
+    _active[idx] = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s)
+
+
+def clear_faults(device: str | int | None = None) -> None:
+    if device is None:
+        _active.clear()
+    else:
+        _active.pop(_device_index(device), None)
+
+
+def active_faults() -> dict[int, DeviceFaults]:
+    return _active
+
+
+def injected_counts() -> dict[str, dict[str, int]]:
+    """How many faults of each kind fired per device in this process (for test assertions)."""
+    return {f"sim:{i}": dict(f.injected) for i, f in _active.items()}
+
+
+@contextmanager
+def faults(
+    device: str | int, *, seed: int = 0, hang_s: float = 3600.0, **probabilities: float
+) -> Iterator[None]:
+    """Inject faults on `device` inside the block only."""
+    idx = _device_index(device)
+    prev = _active.get(idx)
+    set_faults(idx, seed=seed, hang_s=hang_s, **probabilities)
+    try:
+        yield
+    finally:
+        if prev is None:
+            _active.pop(idx, None)
+        else:
+            _active[idx] = prev
+
+
+def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
+    """Parse ``sim:1=nan:1.0,error:0.1;sim:0=hang:0.5@seed=3`` (``@seed=`` and ``@hang_s=`` optional)."""
+    out: dict[int, DeviceFaults] = {}
+    for clause in filter(None, (c.strip() for c in spec.split(";"))):
+        try:
+            dev, rest = clause.split("=", 1)
+            kinds, *opts = rest.split("@")
+            probs = {}
+            for item in filter(None, kinds.split(",")):
+                kind, p = item.split(":")
+                probs[kind.strip()] = float(p)
+            kw = {}
+            for opt in opts:
+                k, v = opt.split("=")
+                kw[k.strip()] = float(v)
+            idx = _device_index(dev.strip())
+            out[idx] = DeviceFaults(
+                probs, seed=int(kw.get("seed", 0)) * 1_000_003 + idx, hang_s=kw.get("hang_s", 3600.0)
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"{FAULTS_ENV}: bad clause {clause!r} ({e}); expected e.g. 'sim:1=nan:1.0,error:0.1@seed=3'"
+            ) from None
+    return out
+
+
+def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
+    """Called by the dispatcher after a kernel on `sim:idx` computed `outputs` (fresh, non-aliasing)."""
+    f = _active.get(idx)
+    if f is None:
+        return
+    p = f.probabilities
+    rng = f.rng
+    for kind in KINDS:
+        prob = p.get(kind)
+        if not prob or rng.random() >= prob:
+            continue
+        if kind in ("nan", "garbage"):
+            floats = [t for t in outputs if t.is_floating_point() and t.numel()]
+            if not floats:
+                continue
+            f.injected[kind] += 1
+            for t in floats:
+                if kind == "nan":
+                    t.fill_(float("nan"))
+                else:
+                    g = torch.Generator().manual_seed(rng.getrandbits(31))
+                    t.copy_(torch.randn(t.shape, generator=g).mul_(1e4).to(t.dtype))
+            continue
+        f.injected[kind] += 1
+        if kind == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif kind == "hang":
+            time.sleep(f.hang_s)
+        elif kind == "error":
+            raise SimDeviceError(f"sim:{idx}: device error (injected fault): uncorrectable memory error")
+
+
+if os.environ.get(FAULTS_ENV):
+    _active.update(parse_fault_spec(os.environ[FAULTS_ENV]))

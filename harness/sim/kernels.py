@@ -1,0 +1,74 @@
+"""Real PrivateUse1 kernels: the entry points that have no sim tensor to dispatch on.
+
+Factory functions (`torch.empty/ones/randn(..., device="sim")`, `cpu_tensor.to("sim")`) dispatch on
+the device argument, reaching these kernels, which allocate host memory and hand back a `SimTensor`.
+Everything after that goes through `SimTensor.__torch_dispatch__`.
+
+Scaled dot-product attention is special: it is a composite op whose backend choice (fused flash
+kernel vs the unfused math path) is made in C++ from the device type, and for an unknown
+PrivateUse1 device that choice is always "math". A CPU-emulating backend that took that path would
+differ from its own CPU reference by ~1e-7 for reasons that have nothing to do with the backend's
+numerics, so sim makes the same choice the CPU would (asking the CPU selector) and runs that kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .tensor import SimTensor
+
+_device = importlib.import_module(".device", __package__)
+
+aten = torch.ops.aten
+_lib = torch.library.Library("aten", "IMPL")
+
+
+def _index(device: torch.device | None) -> int:
+    return _device._index_of(device) if device is not None else _device._current
+
+
+def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    t = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format or torch.contiguous_format)
+    return SimTensor(t, _index(device))
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return SimTensor(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index(device))
+
+
+def _copy_from(self, dst, non_blocking=False):
+    src = self._inner if isinstance(self, SimTensor) else self
+    (dst._inner if isinstance(dst, SimTensor) else dst).copy_(src)
+    return dst
+
+
+_FLASH = 1  # sdp::SDPBackend::flash_attention
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # As the CPU composite does first: boolean keep-mask -> additive mask in the query dtype.
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
+            attn_mask.logical_not(), float("-inf")
+        )
+    m = attn_mask._inner if isinstance(attn_mask, SimTensor) else attn_mask
+    choice = torch._fused_sdp_choice(
+        query._inner, key._inner, value._inner, m, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if choice == _FLASH:
+        return aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+    return aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+def register() -> None:
+    _lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    # Registered at the autograd key so the kernels it calls record their own backward formulas.
+    _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
