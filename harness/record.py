@@ -586,6 +586,27 @@ class ResultStore:
             )
         return _frame(rows, [*RESULT_FIELDS, "run_started_at"], _RESULT_JSON)
 
+    def history(self, model_id: str | None = None) -> pd.DataFrame:
+        """Light per-run outcome history (no tracebacks/metrics), oldest run first: cheap across many nights."""
+        cols = "x.run_id, x.model_id, x.target, x.settings, x.outcome, x.rmse_ratio, x.error_type, x.unsupported_op"
+        sql = f"SELECT {cols}, r.started_at AS run_started_at, r.list_name FROM results x JOIN runs r USING (run_id)"
+        params: tuple = ()
+        if model_id is not None:
+            sql += " WHERE x.model_id=?"
+            params = (model_id,)
+        rows = self._query(sql + " ORDER BY r.started_at, x.run_id", params)
+        names = [
+            "run_id",
+            "model_id",
+            "target",
+            "settings",
+            "outcome",
+            "rmse_ratio",
+            "error_type",
+            "unsupported_op",
+        ]
+        return _frame(rows, [*names, "run_started_at", "list_name"], set())
+
     def collectives(self, run_id: str | None = None) -> pd.DataFrame:
         """Collective benchmark rows (all runs if ``run_id`` is None), settings decoded."""
         if run_id is not None:

@@ -1,0 +1,309 @@
+"""Compatibility matrix, pass rates and op-coverage ranking from the result store.
+
+These are plain pandas transforms over ``ResultStore.results()`` so the CLI, the HTML report and
+notebooks all compute the same numbers. The op-coverage ranking answers the question a backend team
+asks each morning: which single missing op unblocks the most models?
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.record import OUTCOMES, ResultStore, StoreError
+
+GROUP_KEYS = ("arch", "task", "modality")
+UNKNOWN = "(unknown)"
+OPINFO_COLUMNS = ("op", "passed", "skipped", "failed")
+_OP_SPLIT = re.compile(r"[,;\s|]+")
+
+
+# ----------------------------------------------------------------------------------------------
+# Labels and loading
+# ----------------------------------------------------------------------------------------------
+
+
+def settings_label(target: str, settings: dict | None) -> str:
+    """Compact column label, e.g. ``sim ops=young precision=default`` (keys sorted, like the DB)."""
+    parts = [str(target)]
+    for key in sorted(settings or {}):
+        value = settings[key]
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def with_config(df: pd.DataFrame) -> pd.DataFrame:
+    """Return ``df`` with a ``config`` column (target + settings label) if it lacks one."""
+    if "config" in df.columns:
+        return df
+    out = df.copy()
+    if out.empty:
+        out["config"] = pd.Series(dtype=object)
+        return out
+    out["config"] = [settings_label(t, s) for t, s in zip(out["target"], out["settings"], strict=True)]
+    return out
+
+
+def latest_per_key(df: pd.DataFrame) -> pd.DataFrame:
+    """Keep one row per (model, config): the most recent run's, so several runs can be passed in."""
+    df = with_config(df)
+    if df.empty:
+        return df
+    order = [c for c in ("run_started_at", "finished_at") if c in df.columns]
+    if order:
+        df = df.sort_values(order, kind="stable")
+    return df.drop_duplicates(["model_id", "config"], keep="last")
+
+
+def load_results(db: str | os.PathLike, run_id: str | None = None) -> tuple[str, pd.DataFrame]:
+    """Open ``db`` read-side and return (run id, results) for ``run_id`` or the latest run."""
+    with ResultStore(db, create=False) as st:
+        rid = run_id or st.latest_run()
+        if rid is None:
+            raise StoreError(f"{db} contains no runs yet; run `portharness run --db {db}` first.")
+        return rid, st.results(rid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
+def matrix(df: pd.DataFrame) -> pd.DataFrame:
+    """Models x "(target, settings)" labels, the outcome in each cell ('' where not run)."""
+    df = latest_per_key(df)
+    if df.empty:
+        return pd.DataFrame(index=pd.Index([], name="model_id"))
+    pivot = df.pivot(index="model_id", columns="config", values="outcome")
+    pivot = pivot.reindex(sorted(pivot.columns), axis=1).fillna("")
+    pivot.columns.name = None
+    return pivot.sort_index()
+
+
+def outcome_counts(df: pd.DataFrame) -> dict[str, int]:
+    """Count per outcome in the canonical OUTCOMES order (zeros included)."""
+    counts = df["outcome"].value_counts() if not df.empty else pd.Series(dtype=int)
+    return {o: int(counts.get(o, 0)) for o in OUTCOMES}
+
+
+def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
+    """Per-group totals, per-outcome counts and pass rate; grouped by config too if there are several.
+
+    ``target_pass_rate`` excludes load/reference failures, which say nothing about the target backend.
+    """
+    if by not in GROUP_KEYS:
+        raise ValueError(f"by must be one of {', '.join(GROUP_KEYS)}, got {by!r}")
+    df = latest_per_key(df)
+    keys = ["config", by] if df["config"].nunique() > 1 else [by]
+    if df.empty:
+        return pd.DataFrame(columns=[*keys, "n", "pass", "pass_rate", "target_pass_rate", *OUTCOMES])
+    df = df.assign(**{by: df[by].fillna("").replace("", UNKNOWN)})
+    counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=list(OUTCOMES), fill_value=0)
+    counts.columns.name = None
+    n = counts.sum(axis=1)
+    not_ref = n - counts[["load_fail", "ref_fail", "ref_nondeterministic"]].sum(axis=1)
+    out = pd.DataFrame({"n": n, "pass": counts["pass"]})
+    out["pass_rate"] = (counts["pass"] / n).round(4)
+    out["target_pass_rate"] = (counts["pass"] / not_ref.where(not_ref > 0)).round(4)
+    out = pd.concat([out, counts.drop(columns=["pass"])], axis=1).reset_index()
+    return out.sort_values(["n", *keys], ascending=[False, *([True] * len(keys))], kind="stable").reset_index(
+        drop=True
+    )
+
+
+def split_ops(value: Any) -> list[str]:
+    """The ops listed in an ``unsupported_op`` cell (comma/semicolon/space separated), de-duplicated."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return []
+    seen: dict[str, None] = {}
+    for op in _OP_SPLIT.split(str(value)):
+        if op:
+            seen.setdefault(op, None)
+    return list(seen)
+
+
+def _op_key(op: str) -> str:
+    """Join key between aten names (``aten::add.Tensor``) and OpInfo names (``add``, ``nn.functional.gelu``).
+
+    Overloads are folded (``add.Tensor`` -> ``add``) because OpInfo tests ops, not overloads.
+    """
+    op = op.strip()
+    if op.startswith("aten::"):
+        return op[len("aten::") :].split(".", 1)[0]
+    for prefix in ("nn.functional.", "torch."):
+        if op.startswith(prefix):
+            return op[len(prefix) :]
+    return op
+
+
+def read_opinfo(source: pd.DataFrame | str | os.PathLike) -> pd.DataFrame:
+    """Load and validate an OpInfo conformance table (columns op, passed, skipped, failed)."""
+    if isinstance(source, pd.DataFrame):
+        table = source.copy()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"OpInfo table {path} does not exist")
+        table = pd.read_csv(path)
+    missing = [c for c in OPINFO_COLUMNS if c not in table.columns]
+    if missing:
+        raise ValueError(
+            f"OpInfo table lacks column(s) {', '.join(missing)}; expected {', '.join(OPINFO_COLUMNS)}"
+        )
+    for col in OPINFO_COLUMNS[1:]:
+        table[col] = pd.to_numeric(table[col], errors="coerce").fillna(0).astype(int)
+    return table
+
+
+def op_coverage(
+    df: pd.DataFrame, opinfo_table: pd.DataFrame | str | os.PathLike | None = None, *, examples: int = 3
+) -> pd.DataFrame:
+    """Rank missing ops: ``implement aten::X -> +N models`` (N = models blocked by that op alone).
+
+    ``models_listing`` counts every model that lists the op, blocked alone or with others. With an
+    OpInfo table the op's conformance counts are joined in (by base op name, overloads folded).
+    """
+    df = latest_per_key(df)
+    columns = ["op", "models_unblocked", "models_listing", "suggestion", "example_models"]
+    rows = df[df["outcome"] == "unsupported_op"] if not df.empty else df
+    only: dict[str, set[str]] = {}
+    listing: dict[str, set[str]] = {}
+    for model, cell in zip(rows.get("model_id", []), rows.get("unsupported_op", []), strict=True):
+        ops = split_ops(cell) or ["(unnamed)"]
+        for op in ops:
+            listing.setdefault(op, set()).add(model)
+        if len(ops) == 1:
+            only.setdefault(ops[0], set()).add(model)
+    records = []
+    for op, models in listing.items():
+        n_only = len(only.get(op, ()))
+        records.append(
+            {
+                "op": op,
+                "models_unblocked": n_only,
+                "models_listing": len(models),
+                "suggestion": f"implement {op} -> +{n_only} model{'s' if n_only != 1 else ''}",
+                "example_models": ", ".join(sorted(models)[:examples]),
+            }
+        )
+    out = pd.DataFrame(records, columns=columns)
+    if not out.empty:
+        out = out.sort_values(
+            ["models_unblocked", "models_listing", "op"], ascending=[False, False, True], kind="stable"
+        ).reset_index(drop=True)
+    if opinfo_table is not None:
+        table = read_opinfo(opinfo_table)
+        table = table.assign(key=table["op"].astype(str).map(_op_key))
+        agg = table.groupby("key", as_index=False)[list(OPINFO_COLUMNS[1:])].sum()
+        agg = agg.rename(
+            columns={"passed": "opinfo_passed", "skipped": "opinfo_skipped", "failed": "opinfo_failed"}
+        )
+        out = (
+            out.assign(key=out["op"].astype(str).map(_op_key))
+            .merge(agg, on="key", how="left")
+            .drop(columns="key")
+        )
+        for col in ("opinfo_passed", "opinfo_skipped", "opinfo_failed"):
+            out[col] = out[col].astype("Int64")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------
+
+
+def _jsonable_cells(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object and out[col].map(lambda v: isinstance(v, (dict, list))).any():
+            out[col] = out[col].map(
+                lambda v: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+            )
+    return out
+
+
+def export(df: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write ``df`` as .csv, .json (records) or .parquet (needs pyarrow), chosen by extension."""
+    path = Path(path)
+    ext = path.suffix.lower()
+    keep_index = not isinstance(df.index, pd.RangeIndex)
+    frame = df.reset_index() if keep_index else df
+    if ext == ".csv":
+        _jsonable_cells(frame).to_csv(path, index=False)
+    elif ext == ".json":
+        frame.to_json(path, orient="records", indent=1, default_handler=str)
+    elif ext == ".parquet":
+        if importlib.util.find_spec("pyarrow") is None:
+            raise RuntimeError(
+                f"cannot write {path}: parquet export needs pyarrow (pip install pyarrow); use .csv or .json"
+            )
+        _jsonable_cells(frame).to_parquet(path, index=False)
+    else:
+        raise ValueError(f"cannot export to {path}: unknown extension {ext!r}; use .csv, .json or .parquet")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments for ``portharness matrix`` (for harness/cli.py to reuse)."""
+    parser.add_argument("--db", required=True, help="portharness SQLite DB")
+    parser.add_argument("--run", default=None, help="run id (default: latest run)")
+    parser.add_argument(
+        "--by", choices=GROUP_KEYS, default=None, help="also print pass rates grouped by this"
+    )
+    parser.add_argument("--out", default=None, help="export the matrix to .csv/.json/.parquet")
+    parser.add_argument("--ops", action="store_true", help="also print the missing-op ranking")
+    parser.add_argument("--opinfo", default=None, help="OpInfo conformance CSV joined into --ops")
+
+
+def _print_table(title: str, df: pd.DataFrame) -> None:
+    print(f"\n== {title} ==")
+    if df.empty:
+        print("(none)")
+        return
+    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200):
+        print(df.to_string())
+
+
+def main_matrix(args: argparse.Namespace) -> int:
+    """CLI: print the matrix (and pass rates / op ranking); 0 on success, 2 on a bad DB/run/file."""
+    try:
+        rid, df = load_results(args.db, getattr(args, "run", None))
+        mat = matrix(df)
+        counts = outcome_counts(df)
+        total = sum(counts.values())
+        rate = counts["pass"] / total if total else 0.0
+        print(f"run {rid}: {total} result(s), pass rate {rate:.1%}")
+        print("  " + "  ".join(f"{o}={n}" for o, n in counts.items() if n))
+        _print_table("matrix", mat)
+        if getattr(args, "by", None):
+            rates = pass_rates(df, args.by)
+            empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
+            _print_table(f"pass rate by {args.by}", rates.drop(columns=empty))
+        if getattr(args, "ops", False):
+            _print_table(
+                "missing ops (implement X -> +N models)", op_coverage(df, getattr(args, "opinfo", None))
+            )
+        if getattr(args, "out", None):
+            path = export(mat, args.out)
+            print(f"\nwrote {path}")
+    except (StoreError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"portharness matrix: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
