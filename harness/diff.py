@@ -1,0 +1,377 @@
+"""Night-to-night diff of two runs: what regressed, what got fixed, what merely changed.
+
+The nightly CI gates on :func:`main_diff`'s exit code, so the classification is deliberately
+conservative about what counts as a *target regression*:
+
+* a model whose reference (CPU) run or loading failed on either side says nothing about the target
+  backend; such changes are reported under ``ref_changes``, never as regressions;
+* a model whose head outcome is ``flaky``, or whose id matches the known-flaky allowlist (like
+  PyTorch's dynamo CI flaky list), is reported but does not fail the gate;
+* drift growth gates only when the model was already drifting and its rmse ratio grew by more
+  than ``drift_factor``; growth among passing models is informational (``drift_warnings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.matrix import with_config
+from harness.record import ResultStore, StoreError
+
+SEVERITY: dict[str, int] = {
+    "pass": 0,
+    "flaky": 1,
+    "drift": 2,
+    "unsupported_op": 3,
+    "timeout": 4,
+    "oom": 4,
+    "crash": 5,
+    "ref_fail": 6,
+    "ref_nondeterministic": 6,
+    "load_fail": 6,
+}
+NOT_TARGET = frozenset({"ref_fail", "ref_nondeterministic", "load_fail"})
+DEFAULT_DRIFT_FACTOR = 2.0
+
+
+@dataclass
+class Change:
+    """One (model, config) whose outcome or drift differs between base and head."""
+
+    model_id: str
+    config: str
+    base_outcome: str | None
+    head_outcome: str | None
+    base_rmse_ratio: float | None = None
+    head_rmse_ratio: float | None = None
+    direction: str = ""  # worse / better / same
+    detail: str = ""  # head error type/op/message, for the summary line
+
+
+@dataclass
+class DiffResult:
+    """Classified differences between a base and a head run."""
+
+    base_run: str
+    head_run: str
+    drift_factor: float = DEFAULT_DRIFT_FACTOR
+    new_failures: list[Change] = field(default_factory=list)
+    fixes: list[Change] = field(default_factory=list)
+    outcome_changes: list[Change] = field(default_factory=list)
+    drift_grew: list[Change] = field(default_factory=list)
+    drift_warnings: list[Change] = field(default_factory=list)
+    ref_changes: list[Change] = field(default_factory=list)
+    flaky: list[Change] = field(default_factory=list)
+    allowlisted: list[Change] = field(default_factory=list)
+    added: list[Change] = field(default_factory=list)
+    removed: list[Change] = field(default_factory=list)
+    unchanged: int = 0
+
+    @property
+    def regressions(self) -> list[Change]:
+        """What fails the gate: new failures, worse target outcomes, drift growth (allowlist excluded)."""
+        worse = [c for c in self.outcome_changes if c.direction == "worse"]
+        return [*self.new_failures, *worse, *self.drift_grew]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (``--json`` and the report's diff page)."""
+        out = dataclasses.asdict(self)
+        out["regressions"] = [dataclasses.asdict(c) for c in self.regressions]
+        out["n_regressions"] = len(self.regressions)
+        return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _ratio(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def load_allowlist(path: str | os.PathLike | None) -> list[str]:
+    """Known-flaky model id patterns: one per line, ``#`` comments, fnmatch wildcards allowed."""
+    if path is None:
+        return []
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"flaky allowlist {p} does not exist")
+    patterns = []
+    for line in p.read_text().splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            patterns.append(entry)
+    return patterns
+
+
+def _allowed(model_id: str, patterns: list[str]) -> bool:
+    return any(model_id == p or fnmatch.fnmatchcase(model_id, p) for p in patterns)
+
+
+def _detail(row: pd.Series | None) -> str:
+    if row is None:
+        return ""
+    parts = [str(row.get(k) or "") for k in ("unsupported_op", "error_type")]
+    msg = str(row.get("error_message") or "").strip().splitlines()
+    if msg:
+        parts.append(msg[0][:160])
+    if row.get("outcome") == "drift" and _ratio(row.get("rmse_ratio")) is not None:
+        parts.append(f"rmse_ratio={_ratio(row.get('rmse_ratio')):.3g}")
+    return "; ".join(p for p in parts if p)
+
+
+def _index(df: pd.DataFrame) -> dict[tuple[str, str], pd.Series]:
+    df = with_config(df)
+    if df.empty:
+        return {}
+    if "run_started_at" in df.columns:
+        df = df.sort_values("run_started_at", kind="stable")
+    return {(r.model_id, r.config): r for _, r in df.iterrows()}
+
+
+def diff_runs(
+    base_df: pd.DataFrame,
+    head_df: pd.DataFrame,
+    *,
+    base_run: str = "",
+    head_run: str = "",
+    drift_factor: float = DEFAULT_DRIFT_FACTOR,
+    flaky_allowlist: list[str] | None = None,
+) -> DiffResult:
+    """Classify every (model, target+settings) between two result frames; see the module docstring."""
+    if drift_factor <= 1.0:
+        raise ValueError(f"drift_factor must be > 1, got {drift_factor}")
+    patterns = list(flaky_allowlist or [])
+    base, head = _index(base_df), _index(head_df)
+    res = DiffResult(base_run=base_run, head_run=head_run, drift_factor=drift_factor)
+    for key in sorted(base.keys() | head.keys()):
+        b, h = base.get(key), head.get(key)
+        bo = None if b is None else str(b.outcome)
+        ho = None if h is None else str(h.outcome)
+        ch = Change(
+            model_id=key[0],
+            config=key[1],
+            base_outcome=bo,
+            head_outcome=ho,
+            base_rmse_ratio=None if b is None else _ratio(b.get("rmse_ratio")),
+            head_rmse_ratio=None if h is None else _ratio(h.get("rmse_ratio")),
+            detail=_detail(h if h is not None else b),
+        )
+        if b is None:
+            res.added.append(ch)
+            if ho == "flaky":
+                res.flaky.append(ch)
+            continue
+        if h is None:
+            res.removed.append(ch)
+            continue
+        assert bo is not None and ho is not None
+        sb, sh = SEVERITY.get(bo, 5), SEVERITY.get(ho, 5)
+        ch.direction = "worse" if sh > sb else "better" if sh < sb else "same"
+        allowed = _allowed(key[0], patterns)
+        if ho == "flaky":
+            res.flaky.append(ch)
+        if bo == ho:
+            grew = (
+                ch.base_rmse_ratio is not None
+                and ch.head_rmse_ratio is not None
+                and ch.base_rmse_ratio > 0
+                and ch.head_rmse_ratio > ch.base_rmse_ratio * drift_factor
+            )
+            if grew and ho == "drift":
+                ch.direction = "worse"
+                (res.allowlisted if allowed else res.drift_grew).append(ch)
+            elif grew:
+                res.drift_warnings.append(ch)
+            else:
+                res.unchanged += 1
+            continue
+        if bo in NOT_TARGET or ho in NOT_TARGET:
+            res.ref_changes.append(ch)
+        elif ho == "flaky":
+            pass  # reported under flaky; flakiness is not a regression
+        elif bo in ("pass", "flaky") and ch.direction == "worse":
+            (res.allowlisted if allowed else res.new_failures).append(ch)
+        elif ho == "pass":
+            res.fixes.append(ch)
+        elif ch.direction == "worse" and allowed:
+            res.allowlisted.append(ch)
+        else:
+            res.outcome_changes.append(ch)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Choosing runs
+# ----------------------------------------------------------------------------------------------
+
+
+def previous_comparable(store: ResultStore, head_run: str) -> str | None:
+    """The latest run started before ``head_run`` with the same list, target and settings."""
+    runs = store.runs()
+    if runs.empty or head_run not in set(runs.run_id):
+        return None
+    head = runs[runs.run_id == head_run].iloc[0]
+    same = runs[
+        (runs.list_name == head.list_name)
+        & (runs.target == head.target)
+        & (runs.settings_json == head.settings_json)
+        & (runs.run_id != head_run)
+        & (runs.started_at <= head.started_at)
+    ]
+    return None if same.empty else str(same.iloc[0].run_id)  # runs() is newest first
+
+
+def resolve_runs(
+    *,
+    db: str | None = None,
+    base: str | None = None,
+    head: str | None = None,
+    base_db: str | None = None,
+    head_db: str | None = None,
+) -> tuple[tuple[str, pd.DataFrame], tuple[str, pd.DataFrame]]:
+    """Load (run id, results) for base and head from one DB (latest two comparable) or two DBs."""
+    head_path = head_db or db
+    base_path = base_db or head_path
+    if head_path is None:
+        raise StoreError("diff needs --db, or --base-db and --head-db")
+    for p in {head_path, base_path}:
+        if not Path(p).exists():
+            raise StoreError(f"{p} does not exist")
+    with ResultStore(head_path, create=False) as hs:
+        head_id = head or hs.latest_run()
+        if head_id is None:
+            raise StoreError(f"{head_path} contains no runs")
+        head_df = hs.results(head_id)
+        if Path(base_path).resolve() == Path(head_path).resolve():
+            base_id = base or previous_comparable(hs, head_id)
+            if base_id is None:
+                raise StoreError(
+                    f"{head_path} has no earlier run comparable to {head_id} (same list, target, settings); "
+                    "pass --base RUN or --base-db PATH"
+                )
+            return (base_id, hs.results(base_id)), (head_id, head_df)
+    with ResultStore(base_path, create=False) as bs:
+        base_id = base or bs.latest_run()
+        if base_id is None:
+            raise StoreError(f"{base_path} contains no runs")
+        return (base_id, bs.results(base_id)), (head_id, head_df)
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+def _fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def format_summary(res: DiffResult, *, limit: int = 50) -> str:
+    """Human-readable multi-line summary, regressions first."""
+    lines = [f"diff base={res.base_run} head={res.head_run}"]
+    n_reg = len(res.regressions)
+    lines.append(
+        f"  regressions={n_reg} fixes={len(res.fixes)} changes={len(res.outcome_changes)} "
+        f"drift_grew={len(res.drift_grew)} ref_changes={len(res.ref_changes)} flaky={len(res.flaky)} "
+        f"allowlisted={len(res.allowlisted)} added={len(res.added)} removed={len(res.removed)} "
+        f"unchanged={res.unchanged}"
+    )
+
+    def section(title: str, items: list[Change], ratios: bool = False) -> None:
+        if not items:
+            return
+        lines.append(f"\n{title} ({len(items)}):")
+        for c in items[:limit]:
+            arrow = f"{c.base_outcome or '-'} -> {c.head_outcome or '-'}"
+            if ratios:
+                arrow += f" (rmse_ratio {_fmt_ratio(c.base_rmse_ratio)} -> {_fmt_ratio(c.head_rmse_ratio)})"
+            extra = f"  [{c.detail}]" if c.detail else ""
+            lines.append(f"  {c.model_id}  [{c.config}]  {arrow}{extra}")
+        if len(items) > limit:
+            lines.append(f"  ... and {len(items) - limit} more")
+
+    section("NEW FAILURES", res.new_failures)
+    section("WORSE", [c for c in res.outcome_changes if c.direction == "worse"])
+    section(f"DRIFT GREW > {res.drift_factor:g}x", res.drift_grew, ratios=True)
+    section("fixes", res.fixes)
+    section("other outcome changes", [c for c in res.outcome_changes if c.direction != "worse"])
+    section("drift grew among passing models (not gating)", res.drift_warnings, ratios=True)
+    section("reference/load changes (not target regressions)", res.ref_changes)
+    section("flaky", res.flaky)
+    section("known-flaky allowlist (not counted)", res.allowlisted)
+    section("added", res.added)
+    section("removed", res.removed)
+    lines.append("\nRESULT: " + (f"{n_reg} regression(s)" if n_reg else "no regressions"))
+    return "\n".join(lines)
+
+
+def add_diff_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments for ``portharness diff`` (for harness/cli.py to reuse)."""
+    parser.add_argument("--db", default=None, help="DB holding both runs (or the head run with --base-db)")
+    parser.add_argument("--base", default=None, help="base run id (default: previous comparable run)")
+    parser.add_argument("--head", default=None, help="head run id (default: latest run)")
+    parser.add_argument("--base-db", dest="base_db", default=None, help="DB of the base run (latest run)")
+    parser.add_argument("--head-db", dest="head_db", default=None, help="DB of the head run (latest run)")
+    parser.add_argument(
+        "--drift-factor",
+        dest="drift_factor",
+        type=float,
+        default=DEFAULT_DRIFT_FACTOR,
+        help="rmse_ratio growth that counts as a drift regression (default 2.0)",
+    )
+    parser.add_argument(
+        "--flaky-allowlist", dest="flaky_allowlist", default=None, help="known-flaky model ids file"
+    )
+    parser.add_argument("--json", action="store_true", help="print the diff as JSON")
+
+
+def main_diff(args: argparse.Namespace) -> int:
+    """CLI: 1 if the head regressed (CI gate), 0 otherwise, 2 on bad input (missing/corrupt DB, run)."""
+    try:
+        (base_id, base_df), (head_id, head_df) = resolve_runs(
+            db=getattr(args, "db", None),
+            base=getattr(args, "base", None),
+            head=getattr(args, "head", None),
+            base_db=getattr(args, "base_db", None),
+            head_db=getattr(args, "head_db", None),
+        )
+        res = diff_runs(
+            base_df,
+            head_df,
+            base_run=base_id,
+            head_run=head_id,
+            drift_factor=getattr(args, "drift_factor", None) or DEFAULT_DRIFT_FACTOR,
+            flaky_allowlist=load_allowlist(getattr(args, "flaky_allowlist", None)),
+        )
+    except (StoreError, FileNotFoundError, ValueError) as exc:
+        print(f"portharness diff: error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "json", False):
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(format_summary(res))
+    return 1 if res.regressions else 0

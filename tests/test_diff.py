@@ -1,0 +1,164 @@
+"""Tests for the night-to-night diff and its CI exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.diff import diff_runs, format_summary, load_allowlist, main_diff
+from harness.record import ResultRow, ResultStore, RunInfo
+
+S = {"ops": "young"}
+
+
+def _frame(rows: list[tuple]) -> pd.DataFrame:
+    """rows: (model, outcome[, rmse_ratio])"""
+    recs = []
+    for r in rows:
+        recs.append(
+            {
+                "model_id": r[0],
+                "target": "sim",
+                "settings": S,
+                "outcome": r[1],
+                "rmse_ratio": r[2] if len(r) > 2 else None,
+                "error_type": "",
+                "error_message": "",
+                "unsupported_op": "",
+            }
+        )
+    return pd.DataFrame(recs)
+
+
+BASE = [
+    ("a", "pass", 0.1),
+    ("b", "pass"),
+    ("c", "crash"),
+    ("d", "drift", 2.0),
+    ("e", "drift", 2.0),
+    ("f", "drift"),
+    ("g", "pass"),
+    ("h", "ref_fail"),
+    ("i", "pass"),
+    ("j", "pass"),
+    ("k", "timeout"),
+    ("gone", "pass"),
+    ("p", "pass", 0.01),
+]
+HEAD = [
+    ("a", "pass", 0.1),  # unchanged
+    ("b", "crash"),  # new failure
+    ("c", "pass"),  # fix
+    ("d", "drift", 9.0),  # drift grew 4.5x -> regression
+    ("e", "drift", 3.0),  # grew 1.5x -> fine
+    ("f", "crash"),  # worse among failures -> regression
+    ("g", "load_fail"),  # not a target regression
+    ("h", "pass"),  # ref fixed: ref change
+    ("i", "flaky"),  # flaky, not counted
+    ("j", "timeout"),  # allowlisted below
+    ("k", "oom"),  # lateral change
+    ("new", "unsupported_op"),
+    ("p", "pass", 0.5),  # grew 50x but still passing -> warning only
+]
+
+
+def test_classification() -> None:
+    res = diff_runs(_frame(BASE), _frame(HEAD), base_run="r1", head_run="r2", flaky_allowlist=["j*"])
+    ids = lambda items: [c.model_id for c in items]  # noqa: E731
+    assert ids(res.new_failures) == ["b"]
+    assert ids(res.fixes) == ["c"]
+    assert ids(res.drift_grew) == ["d"]
+    assert ids(res.ref_changes) == ["g", "h"]
+    assert ids(res.flaky) == ["i"]
+    assert ids(res.allowlisted) == ["j"]
+    assert ids(res.added) == ["new"] and ids(res.removed) == ["gone"]
+    assert ids(res.drift_warnings) == ["p"]
+    changes = {c.model_id: c.direction for c in res.outcome_changes}
+    assert changes == {"f": "worse", "k": "same"}
+    assert sorted(ids(res.regressions)) == ["b", "d", "f"]
+    assert res.unchanged == 2  # a, e
+    text = format_summary(res)
+    assert "NEW FAILURES (1)" in text and "3 regression(s)" in text and "rmse_ratio 2 -> 9" in text
+    data = res.to_dict()
+    assert data["n_regressions"] == 3 and json.dumps(data)
+
+
+def test_drift_factor_and_no_regressions() -> None:
+    res = diff_runs(_frame([("e", "drift", 2.0)]), _frame([("e", "drift", 3.0)]), drift_factor=1.2)
+    assert [c.model_id for c in res.drift_grew] == ["e"]
+    same = diff_runs(_frame(BASE), _frame(BASE))
+    assert not same.regressions and same.unchanged == len(BASE)
+    with pytest.raises(ValueError):
+        diff_runs(_frame(BASE), _frame(BASE), drift_factor=0.5)
+
+
+def test_allowlist_file(tmp_path: Path) -> None:
+    f = tmp_path / "flaky.txt"
+    f.write_text("# known flaky\norg/model-a  # nondeterministic sampler\n\norg/whisper-*\n")
+    assert load_allowlist(f) == ["org/model-a", "org/whisper-*"]
+    with pytest.raises(FileNotFoundError):
+        load_allowlist(tmp_path / "nope.txt")
+
+
+def _db(path: Path, nights: list[list[tuple]]) -> list[str]:
+    ids = []
+    with ResultStore(path) as st:
+        for n, rows in enumerate(nights):
+            rid = st.begin_run(
+                RunInfo("tiny-zoo", "sim", S, run_id=f"night{n}", started_at=f"2026-01-0{n + 1}T00:00:00Z")
+            )
+            for r in rows:
+                st.record(ResultRow(rid, r[0], "sim", S, r[1], rmse_ratio=r[2] if len(r) > 2 else None))
+            st.finish_run(rid)
+            ids.append(rid)
+    return ids
+
+
+def _ns(**kw) -> argparse.Namespace:
+    base = dict(
+        db=None,
+        base=None,
+        head=None,
+        base_db=None,
+        head_db=None,
+        drift_factor=2.0,
+        flaky_allowlist=None,
+        json=False,
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_main_diff_same_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "n.db"
+    _db(db, [BASE, HEAD, HEAD])
+    # Default: latest two comparable runs (night1 -> night2: identical) -> 0
+    assert main_diff(_ns(db=str(db))) == 0
+    assert "base=night1 head=night2" in capsys.readouterr().out
+    assert main_diff(_ns(db=str(db), base="night0", head="night1")) == 1
+    assert "NEW FAILURES" in capsys.readouterr().out
+    assert main_diff(_ns(db=str(db), base="night0", head="night1", json=True)) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["n_regressions"] == 4 and data["base_run"] == "night0"  # j not allowlisted here
+    assert main_diff(_ns(db=str(db), base="nope")) == 2
+    assert "unknown run id 'nope'" in capsys.readouterr().err
+
+
+def test_main_diff_two_dbs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prev, cur = tmp_path / "prev.db", tmp_path / "merged.db"
+    _db(prev, [BASE])
+    _db(cur, [HEAD])
+    assert main_diff(_ns(base_db=str(prev), head_db=str(cur))) == 1
+    assert main_diff(_ns(base_db=str(prev), head_db=str(prev))) == 2  # one run only: nothing to compare
+    capsys.readouterr()
+    assert main_diff(_ns(base_db=str(tmp_path / "missing.db"), head_db=str(cur))) == 2
+    assert "missing.db does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing.db").exists()
+    single = tmp_path / "single.db"
+    _db(single, [BASE])
+    assert main_diff(_ns(db=str(single))) == 2
+    assert "no earlier run comparable" in capsys.readouterr().err
