@@ -131,7 +131,7 @@ def _allowed(model_id: str, patterns: list[str]) -> bool:
     return any(model_id == p or fnmatch.fnmatchcase(model_id, p) for p in patterns)
 
 
-def _detail(row: pd.Series | None) -> str:
+def _detail(row: dict[str, Any] | None) -> str:
     if row is None:
         return ""
     parts = [str(row.get(k) or "") for k in ("unsupported_op", "error_type")]
@@ -143,13 +143,14 @@ def _detail(row: pd.Series | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
-def _index(df: pd.DataFrame) -> dict[tuple[str, str], pd.Series]:
+def _index(df: pd.DataFrame) -> dict[tuple[str, str], dict[str, Any]]:
+    """(model, config) -> row; with several runs in ``df`` the latest run's row wins."""
     df = with_config(df)
     if df.empty:
         return {}
     if "run_started_at" in df.columns:
         df = df.sort_values("run_started_at", kind="stable")
-    return {(r.model_id, r.config): r for _, r in df.iterrows()}
+    return {(r["model_id"], r["config"]): r for r in df.to_dict("records")}
 
 
 def diff_runs(
@@ -169,8 +170,8 @@ def diff_runs(
     res = DiffResult(base_run=base_run, head_run=head_run, drift_factor=drift_factor)
     for key in sorted(base.keys() | head.keys()):
         b, h = base.get(key), head.get(key)
-        bo = None if b is None else str(b.outcome)
-        ho = None if h is None else str(h.outcome)
+        bo = None if b is None else str(b["outcome"])
+        ho = None if h is None else str(h["outcome"])
         ch = Change(
             model_id=key[0],
             config=key[1],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import importlib.metadata
 import json
 import math
@@ -182,6 +183,7 @@ def _dist_version(name: str) -> str:
         return ""
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
     """Versions without importing torch/transformers (importing torch costs seconds per process)."""
     from harness import __version__
