@@ -1,0 +1,224 @@
+"""Tests for the static HTML report: content, HTML-injection safety, file names, speed, CLI errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from harness.record import ResultRow, ResultStore, RunInfo
+from harness.report import build_report, main_report, safe_name, svg_bars, svg_histogram, write_synthetic_db
+
+S = {"ops": "young"}
+EVIL = "<script>alert('pwned')</script><img src=x onerror=alert(2)>"
+
+
+class _Scan(HTMLParser):
+    """Collects script tags (with attributes and text) and every element's tag name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: list[dict] = []
+        self.tags: list[str] = []
+        self._in_script: dict | None = None
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.append(tag)
+        if tag == "script":
+            self._in_script = {"attrs": dict(attrs), "text": ""}
+            self.scripts.append(self._in_script)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in_script = None
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script is not None:
+            self._in_script["text"] += data
+
+
+def _scan(path: Path) -> _Scan:
+    p = _Scan()
+    p.feed(path.read_text(encoding="utf-8"))
+    return p
+
+
+def _evil_db(path: Path) -> None:
+    with ResultStore(path) as st:
+        r1 = st.begin_run(RunInfo("smoke", "sim", S, run_id="r1", started_at="2026-01-01T00:00:00Z"))
+        st.record(ResultRow(r1, "org/<b>evil</b>", "sim", S, "pass", rmse_ratio=0.1))
+        st.record(ResultRow(r1, "../../etc/passwd", "sim", S, "pass"))
+        st.finish_run(r1)
+        r2 = st.begin_run(RunInfo("smoke", "sim", S, run_id="r2", started_at="2026-01-02T00:00:00Z"))
+        st.record(
+            ResultRow(
+                r2,
+                "org/<b>evil</b>",
+                "sim",
+                S,
+                "crash",
+                arch=EVIL,
+                error_type="RuntimeError",
+                error_message=EVIL,
+                traceback="Traceback:\n" + EVIL,
+                unsupported_op=EVIL,
+                first_drift_module=EVIL,
+                metrics={EVIL: {"rmse_target": 1.0, "shape": [1], "dtype": EVIL, "ok": False}},
+                attempts=[{"device": EVIL, "outcome": "crash", "exit_code": -11, "signal": 11}],
+            )
+        )
+        st.record(ResultRow(r2, "../../etc/passwd", "sim", S, "unsupported_op", unsupported_op="aten::x"))
+        st.finish_run(r2)
+
+
+def test_no_html_injection(tmp_path: Path) -> None:
+    db, out = tmp_path / "e.db", tmp_path / "site"
+    _evil_db(db)
+    index = build_report(db, out)
+    assert index == out / "index.html"
+    pages = list(out.glob("*.html")) + list((out / "models").glob("*.html"))
+    assert {p.name for p in out.glob("*.html")} == {
+        "index.html",
+        "matrix.html",
+        "ops.html",
+        "drift.html",
+        "collectives.html",
+        "diff.html",
+    }
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        assert "<script>alert" not in text and "<img src=x" not in text and "<b>evil" not in text, page
+        scan = _scan(page)
+        assert "img" not in scan.tags and "b" not in scan.tags, page
+        for s in scan.scripts:  # only external scripts and inert JSON data: nothing inline executes
+            assert "src" in s["attrs"] or s["attrs"].get("type") == "application/json", (page, s)
+    model_pages = sorted((out / "models").glob("*.html"))
+    assert len(model_pages) == 2
+    evil_page = out / "models" / f"{safe_name('org/<b>evil</b>')}.html"
+    text = evil_page.read_text(encoding="utf-8")
+    assert "&lt;script&gt;alert(&#39;pwned&#39;)&lt;/script&gt;" in text
+    assert "org/&lt;b&gt;evil&lt;/b&gt;" in text
+    data = json.loads(
+        next(s["text"] for s in _scan(out / "matrix.html").scripts if s["attrs"].get("id") == "matrix-data")
+    )
+    assert {r["model"] for r in data["rows"]} == {"org/<b>evil</b>", "../../etc/passwd"}
+    assert all(r["href"].startswith("models/") and ".." not in r["href"] for r in data["rows"])
+
+
+def test_safe_name() -> None:
+    names = {safe_name(m) for m in ("a/b", "a_b", "a b", "A/B")}
+    assert len(names) == 4
+    for m in ("../../etc/passwd", "org/model", "x" * 500, "...", "con", "名前/モデル"):
+        n = safe_name(m)
+        assert re.fullmatch(r"[A-Za-z0-9._-]+", n) and not n.startswith(".") and len(n) <= 100
+        assert "/" not in n and ".." not in n.split("-")[0][:2]
+
+
+def test_pages_content(tmp_path: Path) -> None:
+    db, out = tmp_path / "s.db", tmp_path / "site"
+    write_synthetic_db(db, 60, runs=2, seed=3)
+    csv = tmp_path / "opinfo.csv"
+    pd.DataFrame(
+        {"op": ["erfinv", "_fft_r2c"], "passed": [7, 1], "skipped": [0, 2], "failed": [3, 9]}
+    ).to_csv(csv, index=False)
+    build_report(db, out, opinfo_csv=csv)
+    index = (out / "index.html").read_text()
+    assert "night-01" in index and "pass rate" in index and "2.13" in index and "0.1.0" in index
+    assert "regressions vs night-00" in index
+    ops = (out / "ops.html").read_text()
+    assert "implement aten::" in ops and "OpInfo passed" in ops
+    assert "<svg" in (out / "drift.html").read_text()
+    coll = (out / "collectives.html").read_text()
+    assert "all_reduce" in coll and "<svg" in coll
+    assert "night-00" in (out / "diff.html").read_text()
+    with ResultStore(db, create=False) as st:
+        some = st.results("night-01").iloc[5]
+    page = (out / "models" / f"{safe_name(some.model_id)}.html").read_text()
+    assert "night-00" in page and "night-01" in page  # history across runs
+    assert "last_hidden_state" in page and "Attempts" in page
+    assert (out / "assets" / "matrix.js").is_file() and (out / "assets" / "style.css").is_file()
+    for html_file in out.rglob("*.html"):
+        text = html_file.read_text()
+        assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+
+
+def test_single_run_no_collectives_no_diff(tmp_path: Path) -> None:
+    db, out = tmp_path / "one.db", tmp_path / "site"
+    write_synthetic_db(db, 5, runs=1, collectives=False)
+    build_report(db, out)
+    assert "no collective benchmarks recorded" in (out / "collectives.html").read_text()
+    assert not (out / "diff.html").exists()
+    assert "diff.html" not in (out / "index.html").read_text()
+    # A base from another DB brings the diff page back.
+    other = tmp_path / "prev.db"
+    write_synthetic_db(other, 5, runs=1, seed=9, collectives=False)
+    build_report(db, out, base_db=other)
+    assert "prev.db" in (out / "diff.html").read_text()
+
+
+def test_rebuild_removes_stale_model_pages(tmp_path: Path) -> None:
+    db, out = tmp_path / "a.db", tmp_path / "site"
+    write_synthetic_db(db, 8, runs=1, collectives=False)
+    build_report(db, out)
+    stale = out / "models" / "stale-00000000.html"
+    stale.write_text("old")
+    build_report(db, out)
+    assert not stale.exists() and len(list((out / "models").glob("*.html"))) == 8
+
+
+def test_svg_helpers_edge_cases() -> None:
+    assert "no finite" in svg_histogram([])
+    assert "<rect" in svg_histogram([1e-9, 1e9, 1.0, 0.5])
+    assert "<svg" in svg_histogram([1.0])
+    assert "no ratios" in svg_bars([{"label": "x", "value": None}])
+    assert "&lt;b&gt;" in svg_bars([{"label": "<b>", "value": 2.0, "lo": 1.5, "hi": 2.5}])
+
+
+def test_build_time_1000_rows(tmp_path: Path) -> None:
+    db, out = tmp_path / "big.db", tmp_path / "site"
+    write_synthetic_db(db, 1000, runs=2)
+    t0 = time.perf_counter()
+    build_report(db, out)
+    elapsed = time.perf_counter() - t0
+    print(f"\nreport build, 1000 models x 2 runs: {elapsed:.2f}s")
+    assert len(list((out / "models").glob("*.html"))) == 1000
+    assert elapsed < 30
+
+
+def _ns(**kw) -> argparse.Namespace:
+    base = dict(db=None, out=None, run=None, base=None, base_db=None, opinfo=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "a.db"
+    write_synthetic_db(db, 4, runs=1, collectives=False)
+    out = tmp_path / "site"
+    assert main_report(_ns(db=str(db), out=str(out))) == 0
+    assert "report written to" in capsys.readouterr().out
+    assert main_report(_ns(db=str(tmp_path / "missing.db"), out=str(out))) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "missing.db").exists()
+    assert main_report(_ns(db=str(db), out=str(out), run="nope")) == 2
+    assert "unknown run id 'nope'" in capsys.readouterr().err
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert main_report(_ns(db=str(db), out=str(foreign))) == 2
+    assert "not a portharness report" in capsys.readouterr().err
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    empty = tmp_path / "empty.db"
+    ResultStore(empty).close()
+    assert main_report(_ns(db=str(empty), out=str(tmp_path / "s2"))) == 2
+    assert "no runs" in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"\x00garbage" * 100)
+    assert main_report(_ns(db=str(corrupt), out=str(tmp_path / "s3"))) == 2
+    assert corrupt.read_bytes() == b"\x00garbage" * 100
