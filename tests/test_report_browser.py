@@ -1,0 +1,203 @@
+"""Headless-Chromium test of the report opened from disk (file://), the way people open CI artifacts.
+
+Needs Debian's ``chromium`` + ``chromium-driver`` (``/usr/bin/chromedriver``) and selenium; skips with
+the reason when they are absent. Screenshots go to ``$PORTHARNESS_ARTIFACTS`` (default: a tmp dir).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.record import ResultStore
+from harness.report import build_report, safe_name, write_synthetic_db
+
+pytestmark = pytest.mark.browser
+
+CHROMEDRIVER = Path(os.environ.get("PORTHARNESS_CHROMEDRIVER", "/usr/bin/chromedriver"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+CHROME_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--window-size=1400,1000",
+)
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium not installed (pip install selenium)")
+from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support import expected_conditions as EC  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+if not CHROMEDRIVER.exists() or not Path(CHROMIUM).exists():
+    pytest.skip(
+        f"headless Chromium not available ({CHROMEDRIVER} / {CHROMIUM} missing): "
+        "apt-get install -y chromium chromium-driver",
+        allow_module_level=True,
+    )
+
+
+def _synthetic_db(path: Path) -> Path:
+    write_synthetic_db(path, 40, runs=2, seed=7)
+    return path
+
+
+@pytest.fixture(scope="module")
+def real_run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The DB the report is built from. Switch to a real run by using _real_run_db below."""
+    return _synthetic_db(tmp_path_factory.mktemp("db") / "browser.db")
+
+
+@pytest.fixture(scope="module")
+def site(real_run_db: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    build_report(real_run_db, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Path:
+    path = Path(os.environ.get("PORTHARNESS_ARTIFACTS") or tempfile.mkdtemp(prefix="portharness-artifacts-"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in CHROME_FLAGS:
+        opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chrome-profile')}")
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    drv = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    drv.set_page_load_timeout(30)
+    try:
+        yield drv
+    finally:
+        drv.quit()
+
+
+def _open(driver: webdriver.Chrome, page: Path) -> list[dict]:
+    """Load ``page`` from disk and return its SEVERE console entries."""
+    driver.get(page.resolve().as_uri())
+    WebDriverWait(driver, 10).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def _visible_rows(driver: webdriver.Chrome) -> int:
+    return len(driver.find_elements(By.CSS_SELECTOR, "#matrix-body tr"))
+
+
+def _results(db: Path):
+    with ResultStore(db, create=False) as st:
+        return st.results(st.latest_run())
+
+
+def test_every_page_loads_cleanly(driver: webdriver.Chrome, site: Path, artifacts: Path) -> None:
+    pages = sorted(site.glob("*.html")) + sorted((site / "models").glob("*.html"))[:15]
+    assert len(pages) >= 6
+    for page in pages:
+        severe = _open(driver, page)
+        assert not severe, f"{page.name}: console errors {severe}"
+        assert driver.title.endswith("portharness"), page
+        assert driver.find_elements(By.TAG_NAME, "h1"), page
+    _open(driver, site / "index.html")
+    driver.save_screenshot(str(artifacts / "report-index.png"))
+
+
+def test_matrix_filters_change_row_count(
+    driver: webdriver.Chrome, site: Path, real_run_db: Path, artifacts: Path
+) -> None:
+    df = _results(real_run_db)
+    assert not _open(driver, site / "matrix.html")
+    total = df.model_id.nunique()
+    assert _visible_rows(driver) == total
+    assert driver.find_element(By.ID, "row-count").text == f"{total} of {total} models"
+
+    # Free text: a model id narrows the table to the rows containing it.
+    target = sorted(df.model_id)[0]
+    box = driver.find_element(By.ID, "filter-text")
+    box.send_keys(target)
+    expected = sum(1 for m in df.model_id.unique() if target.lower() in m.lower())
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == expected)
+    assert expected < total
+    box.clear()
+    box.send_keys("zz-no-such-model-zz")
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == 0)
+    assert driver.find_element(By.ID, "matrix-empty").is_displayed()
+    box.clear()
+    driver.find_element(By.ID, "filter-reset").click()
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == total)
+
+    # Outcome: the rarest outcome present shows exactly its models.
+    counts = Counter(df.outcome)
+    outcome, n = min(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    Select(driver.find_element(By.ID, "filter-outcome")).select_by_value(outcome)
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == n)
+    if len(counts) > 1:
+        assert n < total
+    assert all(c.text == outcome for c in driver.find_elements(By.CSS_SELECTOR, "#matrix-body .chip"))
+    driver.save_screenshot(str(artifacts / "report-matrix-filtered.png"))
+
+    # Arch filter combined with the outcome filter.
+    Select(driver.find_element(By.ID, "filter-outcome")).select_by_value("")
+    arch = sorted(a for a in df.arch.unique() if a)[0]
+    Select(driver.find_element(By.ID, "filter-arch")).select_by_value(arch)
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == int((df.arch == arch).sum()))
+
+    # Filters are kept in the URL hash, so index.html's outcome links open a pre-filtered matrix.
+    assert not _open(driver, site / "matrix.html")
+    driver.get((site / "matrix.html").resolve().as_uri() + f"#outcome={outcome}")
+    driver.refresh()
+    WebDriverWait(driver, 5).until(lambda d: _visible_rows(d) == n)
+
+
+def test_matrix_sort(driver: webdriver.Chrome, site: Path) -> None:
+    assert not _open(driver, site / "matrix.html")
+    header = next(h for h in driver.find_elements(By.CSS_SELECTOR, "#matrix-head th") if h.text == "model")
+    header.click()
+    first = [a.text for a in driver.find_elements(By.CSS_SELECTOR, "#matrix-body a.model")]
+    header.click()
+    second = [a.text for a in driver.find_elements(By.CSS_SELECTOR, "#matrix-body a.model")]
+    assert second == first[::-1] and len(first) > 1
+    assert header.get_attribute("aria-sort") == "descending"
+
+
+def test_model_link_opens_model_page(
+    driver: webdriver.Chrome, site: Path, real_run_db: Path, artifacts: Path
+) -> None:
+    assert not _open(driver, site / "matrix.html")
+    link = driver.find_elements(By.CSS_SELECTOR, "#matrix-body a.model")[0]
+    model_id = link.text
+    link.click()
+    WebDriverWait(driver, 10).until(EC.presence_of_element_located((By.ID, "model-id")))
+    assert driver.find_element(By.ID, "model-id").text == model_id
+    assert model_id in driver.title
+    assert driver.current_url.endswith(f"models/{safe_name(model_id)}.html")
+    assert not [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    driver.save_screenshot(str(artifacts / "report-model.png"))
+
+
+def test_injected_markup_stays_text(driver: webdriver.Chrome, site: Path, real_run_db: Path) -> None:
+    """Error messages containing <script> render as text and run nothing."""
+    df = _results(real_run_db)
+    hostile = df[df.error_message.str.contains("<script>", regex=False)]
+    if hostile.empty:
+        pytest.skip("no hostile strings in this DB")
+    row = hostile.iloc[0]
+    assert not _open(driver, site / "models" / f"{safe_name(row.model_id)}.html")
+    assert driver.find_element(By.CSS_SELECTOR, "pre.error").text.strip() == row.error_message.strip()
+    with pytest.raises(NoAlertPresentException):
+        driver.switch_to.alert  # noqa: B018  (an executed alert() would be pending here)
