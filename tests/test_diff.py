@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -162,3 +165,69 @@ def test_main_diff_two_dbs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     _db(single, [BASE])
     assert main_diff(_ns(db=str(single))) == 2
     assert "no earlier run comparable" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# scripts/nightly_local.sh: the same steps as the nightly workflow, run here
+# ----------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "nightly_local.sh"
+
+# Stands in for `portharness run` (which needs models) and delegates every other subcommand to the
+# real CLI, so the script's plumbing (shards -> merge -> report -> diff -> exit code) is tested fast.
+_FAKE_CLI = """
+import sys
+args = sys.argv[1:]
+if args and args[0] == "run":
+    from harness.record import ResultRow, ResultStore, RunInfo
+    opt = dict(zip(args[1::2], args[2::2]))
+    i, n = (int(x) for x in opt["--shard"].split("/"))
+    broken = sys.argv[0].endswith("broken.py")
+    with ResultStore(opt["--db"]) as st:
+        rid = st.begin_run(RunInfo(opt["--list"], opt["--target"], {"ops": "young"}, shard=opt["--shard"]))
+        for m in range(i - 1, 6, n):
+            outcome = "crash" if broken and m == 0 else "pass"
+            st.record(ResultRow(rid, f"tiny/m{m}", opt["--target"], {"ops": "young"}, outcome, arch="Bert"))
+        st.finish_run(rid)
+    sys.exit(0)
+from harness.cli import build_parser  # the real CLI wiring, minus main()'s eager torch import
+ns = build_parser().parse_args(args)
+sys.exit(ns.func(ns))
+"""
+
+
+def _run_script(
+    tmp_path: Path, fake: str, out: Path, shards: int = 2, **env: str
+) -> subprocess.CompletedProcess:
+    cli = tmp_path / fake
+    cli.write_text(_FAKE_CLI)
+    full_env = {**os.environ, "OUT": str(out), "PORTHARNESS": f"{sys.executable} {cli}", **env}
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return subprocess.run(
+        ["bash", str(SCRIPT), "tiny-zoo", str(shards)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_nightly_local_pipeline(tmp_path: Path) -> None:
+    night1, night2 = tmp_path / "n1", tmp_path / "n2"
+    first = _run_script(tmp_path, "good.py", night1, shards=3, PARALLEL="1")
+    assert first.returncode == 0, first.stderr
+    assert (night1 / "site" / "index.html").is_file() and "diff skipped" in first.stderr
+    with ResultStore(night1 / "merged.db", create=False) as st:
+        runs = st.runs()
+        assert len(runs) == 1 and runs.iloc[0].shard == "1/1"  # three shards became one night
+        assert len(st.results()) == 6
+    same = _run_script(tmp_path, "good.py", night2, PREV_DB=str(night1 / "merged.db"))  # 2 shards, not 3
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "no regressions" in same.stdout and (night2 / "site" / "diff.html").is_file()
+    worse = _run_script(tmp_path, "broken.py", tmp_path / "n3", PREV_DB=str(night1 / "merged.db"))
+    assert worse.returncode == 1, worse.stdout + worse.stderr
+    assert "NEW FAILURES" in worse.stdout and "tiny/m0" in worse.stdout
+    assert (tmp_path / "n3" / "diff.txt").read_text() == worse.stdout[worse.stdout.index("diff base=") :]
+    missing = _run_script(tmp_path, "good.py", tmp_path / "n4", PREV_DB=str(tmp_path / "nope.db"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
