@@ -64,10 +64,11 @@ _active: dict[int, DeviceFaults] = {}
 def _device_index(device: str | int) -> int:
     if isinstance(device, int):
         return device
-    d = torch.device(device)
-    if d.type != "sim":
-        raise ValueError(f"faults can only be injected on sim devices, got {device!r}")
-    return d.index or 0
+    # Parsed by hand: the env spec is read while the backend registers, before "sim" is a device type.
+    kind, _, index = str(device).partition(":")
+    if kind != "sim" or not (index.isdigit() or index == ""):
+        raise ValueError(f"faults can only be injected on sim devices (sim or sim:N), got {device!r}")
+    return int(index or 0)
 
 
 def set_faults(device: str | int, *, seed: int = 0, hang_s: float = 3600.0, **probabilities: float) -> None:

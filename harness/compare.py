@@ -1,0 +1,182 @@
+"""Compare target outputs against the reference: the fp64-oracle rule plus plain error metrics.
+
+Following PyTorch's dynamo accuracy runner (`torch._dynamo.utils.same`): an fp32 result on the target
+passes when it is not much further from an fp64 run than the fp32 CPU reference itself is,
+
+    rmse(oracle64, target) <= m * rmse(oracle64, ref32) + tol / 10,   m = 2 (fp32), 3 (bf16/fp16 or numel < 1000)
+
+which tolerates the reference's own rounding noise instead of demanding bitwise equality. Without an
+oracle (the model cannot run in fp64) it falls back to cosine similarity >= 0.99 plus allclose(tol).
+We also keep cosine similarity, max abs and max relative error per output, because "how far" matters
+as much as "pass/fail" when triaging reduced-precision defaults. Integer/bool outputs must be equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+DEFAULT_TOL = 1e-3  # the dynamo runner's HF inference tolerance
+COSINE_FALLBACK = 0.99
+
+
+@dataclass
+class Tolerance:
+    tol: float = DEFAULT_TOL
+    # Allclose fallback when no fp64 oracle is available.
+    atol: float | None = None
+    rtol: float | None = None
+
+
+@dataclass
+class TensorCheck:
+    """Metrics for one named output tensor."""
+
+    name: str
+    ok: bool
+    shape: list[int]
+    dtype: str
+    rmse_target: float | None = None
+    rmse_ref: float | None = None
+    bound: float | None = None
+    rmse_ratio: float | None = None  # rmse_target / bound: > 1 is drift
+    cosine: float | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    nonfinite: bool = False  # target has NaN/inf where the reference is finite
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "name"}
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.sqrt(torch.mean(torch.square(a.double() - b.double()))).item()
+
+
+def _multiplier(ref: torch.Tensor) -> float:
+    return 3.0 if ref.dtype in (torch.float16, torch.bfloat16) or ref.numel() < 1000 else 2.0
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def check_tensor(
+    name: str,
+    ref: torch.Tensor,
+    target: torch.Tensor,
+    oracle: torch.Tensor | None,
+    tol: Tolerance,
+) -> TensorCheck:
+    """Judge one output; all tensors must already be on the CPU."""
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype).removeprefix("torch."))
+    if ref.shape != target.shape:
+        return TensorCheck(ok=False, note=f"shape mismatch: ref {list(ref.shape)} vs target {list(target.shape)}", **base)
+    if not ref.is_floating_point() and not ref.is_complex():
+        eq = bool(torch.equal(ref, target.to(ref.dtype)))
+        return TensorCheck(ok=eq, note="" if eq else "integer/bool output differs", **base)
+    if ref.numel() == 0:
+        return TensorCheck(ok=True, note="empty", **base)
+
+    r, t = ref.double(), target.double()
+    ref_fin, tgt_fin = torch.isfinite(r), torch.isfinite(t)
+    nonfinite = bool((ref_fin & ~tgt_fin).any())
+    same_mask = bool(torch.equal(ref_fin, tgt_fin))
+    if not same_mask:
+        # Positions of non-finite values must agree before any metric means anything.
+        return TensorCheck(ok=False, nonfinite=nonfinite, note="non-finite values differ from reference", **base)
+    m = ref_fin
+    if not bool(m.any()):
+        return TensorCheck(ok=bool(torch.equal(r.nan_to_num(), t.nan_to_num())), note="all non-finite", **base)
+    r, t = r[m], t[m]
+    diff = (r - t).abs()
+    max_abs = diff.max().item()
+    max_rel = (diff / r.abs().clamp_min(1e-12)).max().item()
+    denom = (r.norm() * t.norm()).item()
+    cosine = (torch.dot(r, t).item() / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0)
+
+    out = TensorCheck(ok=False, cosine=cosine, max_abs=max_abs, max_rel=_finite(max_rel), **base)
+    if oracle is not None and oracle.shape == ref.shape and torch.equal(torch.isfinite(oracle.double()), ref_fin):
+        o = oracle.double()[m]
+        out.rmse_target = _rmse(o, t)
+        out.rmse_ref = _rmse(o, r)
+        out.bound = _multiplier(ref) * out.rmse_ref + tol.tol / 10.0
+        out.rmse_ratio = out.rmse_target / out.bound if out.bound > 0 else (0.0 if out.rmse_target == 0 else math.inf)
+        out.ok = out.rmse_target <= out.bound
+    else:
+        atol = tol.atol if tol.atol is not None else tol.tol
+        rtol = tol.rtol if tol.rtol is not None else tol.tol
+        close = bool(torch.allclose(t, r, atol=atol, rtol=rtol))
+        out.ok = close or cosine >= COSINE_FALLBACK and max_abs <= 10 * atol
+        out.note = "no fp64 oracle: allclose/cosine fallback"
+        out.rmse_target = _rmse(r, t)
+    return out
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    checks: list[TensorCheck]
+
+    @property
+    def worst(self) -> TensorCheck | None:
+        failing = [c for c in self.checks if not c.ok] or self.checks
+        return max(failing, key=lambda c: (c.rmse_ratio or 0.0, c.max_abs or 0.0), default=None)
+
+    @property
+    def nonfinite(self) -> bool:
+        return any(c.nonfinite for c in self.checks)
+
+    def summary(self) -> dict:
+        """Row-level numbers: the worst value of each metric over all outputs."""
+        ratios = [c.rmse_ratio for c in self.checks if c.rmse_ratio is not None]
+        abs_ = [c.max_abs for c in self.checks if c.max_abs is not None]
+        rel = [c.max_rel for c in self.checks if c.max_rel is not None]
+        cos = [c.cosine for c in self.checks if c.cosine is not None]
+        return {
+            "rmse_ratio": _finite(max(ratios)) if ratios else None,
+            "max_abs_err": max(abs_) if abs_ else None,
+            "max_rel_err": max(rel) if rel else None,
+            "min_cosine": min(cos) if cos else None,
+        }
+
+
+def compare_outputs(
+    ref: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    oracle: dict[str, torch.Tensor] | None,
+    tol: Tolerance | None = None,
+) -> Verdict:
+    """Compare flattened, named outputs (see `harness.inputs.output_tensors`)."""
+    tol = tol or Tolerance()
+    checks = []
+    for name, r in ref.items():
+        t = target.get(name)
+        if t is None:
+            checks.append(TensorCheck(name=name, ok=False, shape=list(r.shape), dtype=str(r.dtype), note="missing on target"))
+            continue
+        o = oracle.get(name) if oracle else None
+        checks.append(check_tensor(name, r, t.cpu(), o, tol))
+    for name in target.keys() - ref.keys():
+        t = target[name]
+        checks.append(TensorCheck(name=name, ok=False, shape=list(t.shape), dtype=str(t.dtype), note="extra output on target"))
+    return Verdict(ok=all(c.ok for c in checks), checks=checks)
+
+
+def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equality of two reference runs (NaNs in the same places count as equal)."""
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point():
+            if not torch.equal(torch.isnan(x), torch.isnan(y)) or not torch.equal(x.nan_to_num(), y.nan_to_num()):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
