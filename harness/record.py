@@ -376,7 +376,21 @@ class ResultStore:
         if state == "empty" and not create:
             raise StoreError(f"{self.path} is empty (no portharness schema); nothing to read.")
         self._lock = threading.RLock()
+        # A DB we may not write (read-only artifact, mount or file) is still readable for matrix/report/diff.
+        self.read_only = state == "ours" and not (
+            os.access(self.path, os.W_OK) and os.access(self.path.parent.resolve(), os.W_OK)
+        )
         try:
+            if self.read_only:
+                self._con = sqlite3.connect(
+                    f"{self.path.resolve().as_uri()}?mode=ro",
+                    uri=True,
+                    timeout=BUSY_TIMEOUT_MS / 1000,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
+                self._con.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+                return
             self._con = sqlite3.connect(
                 str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
             )
@@ -427,6 +441,10 @@ class ResultStore:
                 raise
 
     def _write(self, sql: str, params: Any = (), many: bool = False) -> None:
+        if self.read_only:
+            raise StoreError(
+                f"{self.path} is read-only (no write permission); copy it elsewhere to add results."
+            )
         with self._lock:
             try:
                 if many:
@@ -465,13 +483,14 @@ class ResultStore:
         if not info.host:
             info.host = socket.gethostname()
         p = _encode(info, set())
-        existing = self._query("SELECT run_id FROM runs WHERE run_id=?", (info.run_id,))
-        if existing:
-            # Resuming an existing run (e.g. after a crash): keep its start time, mark it unfinished again.
-            self._write("UPDATE runs SET finished_at='' WHERE run_id=?", (info.run_id,))
-        else:
-            cols = ", ".join(p)
-            self._write(f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(p))})", list(p.values()))
+        cols = ", ".join(p)
+        # Atomic: several shards/workers may begin (or resume) the same run id at once. A resumed run keeps
+        # its original start and metadata and is marked unfinished again.
+        self._write(
+            f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' * len(p))}) "
+            "ON CONFLICT (run_id) DO UPDATE SET finished_at=''",
+            list(p.values()),
+        )
         return info.run_id
 
     def finish_run(self, run_id: str) -> None:

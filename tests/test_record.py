@@ -293,3 +293,16 @@ def test_merge_rejects_foreign_and_missing(tmp_path: Path, capsys: pytest.Captur
     assert rc == 0 and "merged 2 rows" in capsys.readouterr().out
     with pytest.raises(StoreError, match="also the destination"):
         merge_stores(good, [good])
+
+
+def test_read_only_db_is_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DB without write permission (CI artifact, read-only mount) opens read-only for reports."""
+    db = tmp_path / "ro.db"
+    rid = _make_shard(db, "1/1", ["m1", "m2"])
+    before = _digest(db)
+    monkeypatch.setattr("harness.record.os.access", lambda *a, **k: False)  # root ignores chmod
+    with ResultStore(db, create=False) as st:
+        assert st.read_only and st.finished_ids(rid) == {"m1", "m2"}
+        with pytest.raises(StoreError, match="read-only"):
+            st.record(_row(rid, "m3"))
+    assert _digest(db) == before
