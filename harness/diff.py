@@ -242,6 +242,7 @@ def previous_comparable(store: ResultStore, head_run: str) -> str | None:
         & (runs.settings_json == head.settings_json)
         & (runs.run_id != head_run)
         & (runs.started_at <= head.started_at)
+        & (runs.n_results > 0)
     ]
     return None if same.empty else str(same.iloc[0].run_id)  # runs() is newest first
 
@@ -263,9 +264,9 @@ def resolve_runs(
         if not Path(p).exists():
             raise StoreError(f"{p} does not exist")
     with ResultStore(head_path, create=False) as hs:
-        head_id = head or hs.latest_run()
+        head_id = head or hs.latest_run(has_results=True)
         if head_id is None:
-            raise StoreError(f"{head_path} contains no runs")
+            raise StoreError(f"{head_path} contains no model results")
         head_df = hs.results(head_id)
         if Path(base_path).resolve() == Path(head_path).resolve():
             base_id = base or previous_comparable(hs, head_id)
@@ -276,9 +277,9 @@ def resolve_runs(
                 )
             return (base_id, hs.results(base_id)), (head_id, head_df)
     with ResultStore(base_path, create=False) as bs:
-        base_id = base or bs.latest_run()
+        base_id = base or bs.latest_run(has_results=True)
         if base_id is None:
-            raise StoreError(f"{base_path} contains no runs")
+            raise StoreError(f"{base_path} contains no model results")
         return (base_id, bs.results(base_id)), (head_id, head_df)
 
 

@@ -517,8 +517,14 @@ class ResultStore:
         target: str | None = None,
         settings: dict | None = None,
         unfinished_only: bool = False,
+        has_results: bool = False,
+        has_collectives: bool = False,
     ) -> str | None:
-        """Most recently started run matching the filters, or None."""
+        """Most recently started run matching the filters, or None.
+
+        ``has_results`` skips runs without model rows (e.g. a collectives-only benchmark run), which is
+        what matrix/report/diff want by default; ``has_collectives`` finds the latest benchmark run.
+        """
         where, params = [], []
         if list_name is not None:
             where.append("list_name=?")
@@ -531,6 +537,10 @@ class ResultStore:
             params.append(canonical_json(settings))
         if unfinished_only:
             where.append("finished_at=''")
+        if has_results:
+            where.append("EXISTS (SELECT 1 FROM results x WHERE x.run_id=runs.run_id)")
+        if has_collectives:
+            where.append("EXISTS (SELECT 1 FROM collectives c WHERE c.run_id=runs.run_id)")
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = self._query(
             f"SELECT run_id FROM runs {clause} ORDER BY started_at DESC, rowid DESC LIMIT 1", params
@@ -581,12 +591,13 @@ class ResultStore:
     # -- frames ------------------------------------------------------------------------------
 
     def runs(self) -> pd.DataFrame:
-        """All runs, newest first, with decoded settings and a result count."""
+        """All runs, newest first, with decoded settings and result / collective-row counts."""
         rows = self._query(
-            "SELECT r.*, (SELECT COUNT(*) FROM results x WHERE x.run_id=r.run_id) AS n_results "
+            "SELECT r.*, (SELECT COUNT(*) FROM results x WHERE x.run_id=r.run_id) AS n_results, "
+            "(SELECT COUNT(*) FROM collectives c WHERE c.run_id=r.run_id) AS n_collectives "
             "FROM runs r ORDER BY r.started_at DESC, r.rowid DESC"
         )
-        return _frame(rows, [*RUN_FIELDS, "finished_at", "n_results"], set())
+        return _frame(rows, [*RUN_FIELDS, "finished_at", "n_results", "n_collectives"], set())
 
     def results(self, run_id: str | None = None) -> pd.DataFrame:
         """Result rows (all runs if ``run_id`` is None) with dict/list columns decoded.

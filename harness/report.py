@@ -533,7 +533,7 @@ def _resolve_base(
     """(base run id, its results, where from), or None when there is nothing to compare with."""
     if base_db is not None:
         with ResultStore(base_db, create=False) as bs:
-            rid = base_run or bs.latest_run()
+            rid = base_run or bs.latest_run(has_results=True)
             if rid is None:
                 raise StoreError(f"base DB {base_db} contains no runs")
             return rid, bs.results(rid), str(base_db)
@@ -560,14 +560,17 @@ def build_report(
     out = Path(out_dir)
     env = _env()
     with ResultStore(db_path, create=False) as store:
-        rid = run_id or store.latest_run()
+        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
         df = with_config(store.results(rid))  # raises StoreError for an unknown run id
         runs = store.runs()
         run = runs[runs.run_id == rid].iloc[0].to_dict()
         hist = store.history()
-        coll = store.collectives(rid)
+        # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
+        # else the latest benchmark run in the DB.
+        coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
+        coll = store.collectives(coll_run) if coll_run else store.collectives(rid)
         base = _resolve_base(store, rid, base_run, base_db)
     _prepare_out(out)
 
@@ -677,7 +680,12 @@ def build_report(
             if _num(r.get("rmse_ratio")) is not None
         ],
     )
-    render("collectives.html", out / "collectives.html", groups=_collectives_view(coll))
+    render(
+        "collectives.html",
+        out / "collectives.html",
+        groups=_collectives_view(coll),
+        coll_run=coll_run if coll_run and coll_run != rid else "",
+    )
     if res is not None:
         render("diff.html", out / "diff.html", diff=_diff_view(res, hrefs), base_from=base[2] if base else "")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.record import ResultRow, ResultStore, RunInfo
+from harness.record import CollectiveRow, ResultRow, ResultStore, RunInfo
 from harness.report import build_report, main_report, safe_name, svg_bars, svg_histogram, write_synthetic_db
 
 S = {"ops": "young"}
@@ -222,3 +222,39 @@ def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     corrupt.write_bytes(b"\x00garbage" * 100)
     assert main_report(_ns(db=str(corrupt), out=str(tmp_path / "s3"))) == 2
     assert corrupt.read_bytes() == b"\x00garbage" * 100
+
+
+def test_collectives_run_separate_from_model_run(tmp_path: Path) -> None:
+    """`portharness collectives --db` records its own run; the report still shows the model run."""
+    db, out = tmp_path / "c.db", tmp_path / "site"
+    write_synthetic_db(db, 6, runs=1, collectives=False)
+    with ResultStore(db) as st:
+        bench = st.begin_run(
+            RunInfo("collectives", "sim", {"kind": "collective"}, started_at="2030-01-01T00:00:00Z")
+        )
+        st.record_collective(
+            CollectiveRow(
+                bench,
+                "sim",
+                "sim",
+                2,
+                "all_reduce",
+                4096,
+                "skinny",
+                {},
+                "fused",
+                1e-3,
+                9e-4,
+                1.1e-3,
+                5,
+                1.4,
+                1.3,
+                1.5,
+            )
+        )
+        assert st.latest_run() == bench and st.latest_run(has_results=True) == "night-00"
+    build_report(db, out)
+    assert "night-00" in (out / "index.html").read_text()
+    coll = (out / "collectives.html").read_text()
+    assert "all_reduce" in coll and bench in coll
+    assert len(list((out / "models").glob("*.html"))) == 6
