@@ -6,8 +6,11 @@ the reason when they are absent. Screenshots go to ``$PORTHARNESS_ARTIFACTS`` (d
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from harness.record import ResultStore
 from harness.report import build_report, safe_name, write_synthetic_db
 
 pytestmark = pytest.mark.browser
+REPO = Path(__file__).resolve().parents[1]
 
 CHROMEDRIVER = Path(os.environ.get("PORTHARNESS_CHROMEDRIVER", "/usr/bin/chromedriver"))
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
@@ -48,22 +52,77 @@ if not CHROMEDRIVER.exists() or not Path(CHROMIUM).exists():
     )
 
 
-def _synthetic_db(path: Path) -> Path:
-    write_synthetic_db(path, 40, runs=2, seed=7)
-    return path
+REAL_RUN = True  # one-line switch: False builds the report from synthetic rows instead of a real run
+
+# A real, small, deterministic run: three tiny models that pass exactly (precision=highest, ops=full) and
+# one hub id that cannot load (offline), so the matrix has more than one outcome to filter by.
+REAL_LIST = """id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path
+tiny/bert/base,tiny,bert,base,text,,,,,,,
+tiny/gpt2/causal-lm,tiny,gpt2,causal-lm,text,,,,,,,
+tiny/vit/image-cls,tiny,vit,image-cls,vision,,,,,,,
+portharness-test/no-such-model,hub,bert,base,text,,,,,,,
+"""
+
+
+def _real_run(out: Path) -> Path:
+    """`portharness run` on REAL_LIST with the sim target, into ``out/real.db``."""
+    lst, db = out / "browser-list.csv", out / "real.db"
+    lst.write_text(REAL_LIST)
+    cmd = [sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--target", "sim", "--db", str(db)]
+    cmd += ["--precision", "highest", "--ops", "full", "--jobs", "2", "--timeout", "240", "--quiet"]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=out)
+    assert proc.returncode == 0 and db.exists(), (
+        f"real run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
+    return db
+
+
+def _synthetic(out: Path) -> Path:
+    db = out / "synthetic.db"
+    write_synthetic_db(db, 40, runs=2, seed=7)  # two runs (diff page), collectives, hostile strings
+    return db
+
+
+def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """Build once per test session even under xdist (workers share the session's temp root)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = root / f"browser-{name}"
+    out.mkdir(exist_ok=True)
+    with open(root / f"browser-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = out / "done"
+        if not done.exists():
+            db = build(out)
+            build_report(db, out / "site")
+            done.write_text(str(db))
+    return Path(done.read_text())
 
 
 @pytest.fixture(scope="module")
 def real_run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The DB the report is built from. Switch to a real run by using _real_run_db below."""
-    return _synthetic_db(tmp_path_factory.mktemp("db") / "browser.db")
+    """The DB of a real small run (or synthetic rows when REAL_RUN is False); its site is next to it."""
+    return _shared(
+        tmp_path_factory,
+        "real" if REAL_RUN else "synthetic",
+        _real_run if REAL_RUN else _synthetic,
+    )
 
 
 @pytest.fixture(scope="module")
-def site(real_run_db: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    build_report(real_run_db, out)
-    return out
+def site(real_run_db: Path) -> Path:
+    return real_run_db.parent / "site"
+
+
+@pytest.fixture(scope="module")
+def synthetic_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic rows with every page (diff, collectives) and hostile strings in error messages."""
+    return _shared(tmp_path_factory, "synthetic", _synthetic)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +164,21 @@ def _results(db: Path):
         return st.results(st.latest_run())
 
 
-def test_every_page_loads_cleanly(driver: webdriver.Chrome, site: Path, artifacts: Path) -> None:
-    pages = sorted(site.glob("*.html")) + sorted((site / "models").glob("*.html"))[:15]
-    assert len(pages) >= 6
+def test_every_page_loads_cleanly(
+    driver: webdriver.Chrome, site: Path, synthetic_db: Path, artifacts: Path
+) -> None:
+    synthetic_site = synthetic_db.parent / "site"
+    pages = []
+    for root in (site, synthetic_site):
+        pages += sorted(root.glob("*.html")) + sorted((root / "models").glob("*.html"))[:10]
+    assert {p.name for p in pages} >= {
+        "index.html",
+        "matrix.html",
+        "ops.html",
+        "drift.html",
+        "collectives.html",
+        "diff.html",
+    }
     for page in pages:
         severe = _open(driver, page)
         assert not severe, f"{page.name}: console errors {severe}"
@@ -190,14 +261,13 @@ def test_model_link_opens_model_page(
     driver.save_screenshot(str(artifacts / "report-model.png"))
 
 
-def test_injected_markup_stays_text(driver: webdriver.Chrome, site: Path, real_run_db: Path) -> None:
+def test_injected_markup_stays_text(driver: webdriver.Chrome, synthetic_db: Path) -> None:
     """Error messages containing <script> render as text and run nothing."""
-    df = _results(real_run_db)
+    df = _results(synthetic_db)
     hostile = df[df.error_message.str.contains("<script>", regex=False)]
-    if hostile.empty:
-        pytest.skip("no hostile strings in this DB")
+    assert not hostile.empty
     row = hostile.iloc[0]
-    assert not _open(driver, site / "models" / f"{safe_name(row.model_id)}.html")
+    assert not _open(driver, synthetic_db.parent / "site" / "models" / f"{safe_name(row.model_id)}.html")
     assert driver.find_element(By.CSS_SELECTOR, "pre.error").text.strip() == row.error_message.strip()
     with pytest.raises(NoAlertPresentException):
         driver.switch_to.alert  # noqa: B018  (an executed alert() would be pending here)
