@@ -231,3 +231,30 @@ def test_nightly_local_pipeline(tmp_path: Path) -> None:
     assert (tmp_path / "n3" / "diff.txt").read_text() == worse.stdout[worse.stdout.index("diff base=") :]
     missing = _run_script(tmp_path, "good.py", tmp_path / "n4", PREV_DB=str(tmp_path / "nope.db"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+@pytest.mark.slow
+def test_nightly_local_real_run(tmp_path: Path) -> None:
+    """The script end to end with the real runner on a two-model list, two shards (slow: spawns workers)."""
+    lst = tmp_path / "two.csv"
+    lst.write_text(
+        "id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path\n"
+        "tiny/bert/base,tiny,bert,base,text,,,,,,,\n"
+        "tiny/gpt2/causal-lm,tiny,gpt2,causal-lm,text,,,,,,,\n"
+    )
+    env = {**os.environ, "OUT": str(tmp_path / "n1"), "JOBS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.pop("PORTHARNESS", None)
+    first = subprocess.run(
+        ["bash", str(SCRIPT), str(lst), "2"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert first.returncode == 0, first.stdout + first.stderr
+    env.update(OUT=str(tmp_path / "n2"), PREV_DB=str(tmp_path / "n1" / "merged.db"))
+    second = subprocess.run(
+        ["bash", str(SCRIPT), str(lst), "2"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "no regressions" in second.stdout
+    with ResultStore(tmp_path / "n2" / "merged.db", create=False) as st:
+        assert st.finished_ids(st.latest_run(has_results=True)) == {"tiny/bert/base", "tiny/gpt2/causal-lm"}
+    assert (tmp_path / "n2" / "site" / "diff.html").is_file()
