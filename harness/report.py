@@ -280,7 +280,12 @@ def _row_view(r: dict[str, Any]) -> dict[str, Any]:
                     "name": name,
                     "rmse_target": fmt(m.get("rmse_target")),
                     "rmse_ref": fmt(m.get("rmse_ref")),
-                    "cosine": fmt(m.get("cosine"), 6),
+                    "bound": fmt(m.get("bound")),
+                    "ratio": fmt(m.get("rmse_ratio")),
+                    "drifts": (_num(m.get("rmse_ratio")) or 0) > 1,
+                    "nonfinite": bool(m.get("nonfinite")),
+                    "note": _text(m.get("note")),
+                    "cosine": fmt(m.get("cosine"), 9),
                     "max_abs": fmt(m.get("max_abs")),
                     "max_rel": fmt(m.get("max_rel")),
                     "ok": m.get("ok"),
@@ -334,7 +339,7 @@ def _row_view(r: dict[str, Any]) -> dict[str, Any]:
         "drift_module": _text(r.get("first_drift_module")),
         "drift_module_type": _text(r.get("first_drift_module_type")),
         "numbers": [
-            (label, fmt(r.get(key), 6 if key == "min_cosine" else 3))
+            (label, fmt(r.get(key), 9 if key == "min_cosine" else 3))
             for label, key in (
                 ("rmse_ratio", "rmse_ratio"),
                 ("max_abs_err", "max_abs_err"),
