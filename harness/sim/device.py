@@ -3,11 +3,18 @@
 `torch.utils.backend_registration` looks these functions up by name (device count, current device,
 RNG hooks used by `torch.manual_seed`, AMP dtypes). Simulated devices are independent: each has its
 own current-device slot and its own RNG, so seeding `sim:1` never perturbs `sim:0`.
+
+Like most young backends, sim has no torch.compile (Inductor) code generator. Inductor looks for one
+in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `WrapperFxCodegen`); without them it dies on
+an internal AssertionError, so these stand-ins raise a clear `NotImplementedError` instead. That is
+also how FlexAttention fails when it reaches sim through compilation (transformers'
+``attn_implementation="flex_attention"`` compiles `create_block_mask`): the message names it.
 """
 
 from __future__ import annotations
 
 import os
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -148,3 +155,37 @@ def _is_autocast_enabled() -> bool:
 
 def get_device_name(device: torch.device | str | int | None = None) -> str:
     return f"portharness sim accelerator {_index_of(device)}"
+
+
+def _no_compiler_message() -> str:
+    flex = any("flex_attention" in f.filename for f in traceback.extract_stack())
+    if flex:
+        return (
+            "FlexAttention (torch.nn.attention.flex_attention) is not supported on the sim backend: it "
+            "needs torch.compile's Inductor code generator, which sim does not have. Use "
+            "attn_implementation='sdpa' or 'eager' instead."
+        )
+    return (
+        "torch.compile's Inductor backend has no code generator for the sim backend (sim runs eagerly "
+        "only); run eagerly or compile with backend='eager' / 'aot_eager'."
+    )
+
+
+class _NoInductorMeta(type):
+    def __getattr__(cls, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotImplementedError(_no_compiler_message())
+
+
+class _NoInductor(metaclass=_NoInductorMeta):
+    """Stands in for each Inductor codegen class: any use of it means Inductor is compiling for sim."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(_no_compiler_message())
+
+
+Scheduling = _NoInductor
+PythonWrapperCodegen = _NoInductor
+CppWrapperCodegen = _NoInductor
+WrapperFxCodegen = _NoInductor

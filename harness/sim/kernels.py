@@ -4,6 +4,9 @@ Factory functions (`torch.empty/ones/randn(..., device="sim")`, `cpu_tensor.to("
 the device argument, reaching these kernels, which allocate host memory and hand back a `SimTensor`.
 Everything after that goes through `SimTensor.__torch_dispatch__`.
 
+Host implementations (`register_host_impl`) replace a CPU kernel where the CPU lacks something an
+accelerator has: integer `histc`, which MoE routing in transformers uses on every non-CPU device.
+
 Scaled dot-product attention is special: it is a composite op whose backend choice (fused flash
 kernel vs the unfused math path) is made in C++ from the device type, and for an unknown
 PrivateUse1 device that choice is always "math". A CPU-emulating backend that took that path would
@@ -17,9 +20,10 @@ import importlib
 
 import torch
 
-from .tensor import SimTensor
+from .tensor import SimTensor, register_host_impl, to_sim
 
 _device = importlib.import_module(".device", __package__)
+_precision = importlib.import_module(".precision", __package__)
 
 aten = torch.ops.aten
 _lib = torch.library.Library("aten", "IMPL")
@@ -31,17 +35,27 @@ def _index(device: torch.device | None) -> int:
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     t = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format or torch.contiguous_format)
-    return SimTensor(t, _index(device))
+    return to_sim(t, _index(device))
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    return SimTensor(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index(device))
+    return to_sim(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index(device))
 
 
 def _copy_from(self, dst, non_blocking=False):
     src = self._inner if isinstance(self, SimTensor) else self
-    (dst._inner if isinstance(dst, SimTensor) else dst).copy_(src)
+    if isinstance(dst, SimTensor):
+        _precision.forget(dst._inner)
+        dst._inner.copy_(src)
+    else:
+        dst.copy_(src)
     return dst
+
+
+def _host_alias(t: torch.Tensor | None) -> torch.Tensor | None:
+    if not isinstance(t, SimTensor):
+        return t
+    return t._inner.detach().requires_grad_() if t.requires_grad else t._inner
 
 
 _FLASH = 1  # sdp::SDPBackend::flash_attention
@@ -53,9 +67,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
             attn_mask.logical_not(), float("-inf")
         )
-    m = attn_mask._inner if isinstance(attn_mask, SimTensor) else attn_mask
+    # The selector reads requires_grad (a mask that needs grad rules out the fused kernel), which the
+    # inner host tensors never carry, so hand it aliases flagged like the sim tensors.
     choice = torch._fused_sdp_choice(
-        query._inner, key._inner, value._inner, m, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        _host_alias(query), _host_alias(key), _host_alias(value), _host_alias(attn_mask), dropout_p, is_causal,
+        scale=scale, enable_gqa=enable_gqa,
     )
     if choice == _FLASH:
         return aten._scaled_dot_product_flash_attention_for_cpu(
@@ -72,3 +88,14 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     # Registered at the autograd key so the kernels it calls record their own backward formulas.
     _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+
+
+def _histc(self, bins=100, min=0, max=0):
+    # The CPU kernel has no integer histc; CUDA (what transformers' MoE routing targets on any
+    # non-CPU device) has, with an output of the input's dtype.
+    if self.is_floating_point():
+        return aten.histc.default(self, bins, min, max)
+    return aten.histc.default(self.double(), bins, min, max).to(self.dtype)
+
+
+register_host_impl(aten.histc.default, _histc)

@@ -9,11 +9,20 @@ rounded to bf16, products are accumulated in fp32. Models "run" but drift. `sim`
 - ``highest``: true fp32, bit-identical to the CPU reference.
 
 Switch: env ``PORTHARNESS_SIM_PRECISION``, `set_precision()`, or the `precision()` context manager.
+
+Rounding a weight costs two kernel launches per matmul, as much as the matmul itself for small
+models, and a parameter does not change between calls. So the rounded copy of a parameter (or of
+a view of one, such as ``weight.t()`` in ``linear``) is cached per storage and view geometry while
+that parameter lives, and dropped whenever anything writes that storage: every in-place/out= op
+the dispatcher runs, host copies into it, ``param.data = ...``, and `tensor.inner()` (the raw
+host access collectives use). Activations are rounded afresh every call. The cache costs one fp32
+copy of each matmul weight.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -72,6 +81,70 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
     if t.dtype is torch.float32:
         return t.to(torch.bfloat16).to(torch.float32)
     return t
+
+
+class _Rounded:
+    """The rounded copies of views of one parameter's storage, alive while the parameter is."""
+
+    __slots__ = ("owner", "views")
+
+    def __init__(self, owner: torch.Tensor, ptr: int) -> None:
+        self.owner = weakref.ref(owner, lambda _ref: _drop(ptr, self))
+        self.views: dict[tuple, torch.Tensor] = {}
+
+
+# host storage data_ptr -> rounded copies; only ever holds parameters' storages.
+_cache: dict[int, _Rounded] = {}
+
+
+def _drop(ptr: int, entry: _Rounded) -> None:
+    if _cache.get(ptr) is entry:
+        del _cache[ptr]
+
+
+def forget(t: object) -> None:
+    """Drop cached rounded copies of `t`'s host storage (call before/after writing it)."""
+    if not _cache:
+        return
+    if isinstance(t, (list, tuple)):
+        for x in t:
+            forget(x)
+    elif isinstance(t, torch.Tensor):
+        _cache.pop(t.untyped_storage().data_ptr(), None)
+
+
+def clear_cache() -> None:
+    """Drop every cached rounded copy (frees their memory)."""
+    _cache.clear()
+
+
+def _rounded_operand(wrapper: object, x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to bf16, from the cache when `wrapper` is (a view of) a live parameter."""
+    base = getattr(wrapper, "_base", None)
+    owner = wrapper if base is None else base
+    if not getattr(owner, "_is_param", False) or not x.numel():
+        return x.to(torch.bfloat16).to(torch.float32)
+    ptr = x.untyped_storage().data_ptr()
+    entry = _cache.get(ptr)
+    if entry is None or entry.owner() is not owner:
+        entry = _cache[ptr] = _Rounded(owner, ptr)
+    key = (x.storage_offset(), x.shape, x.stride())
+    r = entry.views.get(key)
+    if r is None:
+        r = entry.views[key] = x.to(torch.bfloat16).to(torch.float32)
+    return r
+
+
+def reduce_operands(inner: list, positions: tuple[int, ...], wrappers: tuple) -> None:
+    """In ``default`` mode, replace the multiplier operands in `inner` (host tensors) by their bf16
+    roundings; `wrappers` are the sim tensors they came from (used to recognise parameters)."""
+    if _mode == "highest":
+        return
+    for i in positions:
+        if i < len(inner):
+            x = inner[i]
+            if isinstance(x, torch.Tensor) and x.dtype is torch.float32:
+                inner[i] = _rounded_operand(wrappers[i], x)
 
 
 def reduce_args(func: torch._ops.OpOverload, args: tuple) -> tuple:

@@ -9,12 +9,20 @@ reach the real PrivateUse1 kernels registered in `kernels.py`, which build `SimT
 
 The wrapper carries the metadata (sizes, strides, dtype, device) autograd and user code see; the
 inner CPU tensor holds the data. Views of a SimTensor wrap views of the inner tensor, so in-place
-updates through a view reach the base as on a real device.
+updates through a view reach the base as on a real device. Ops that change a tensor's metadata in
+place (``out=`` resizes, ``resize_``, ``set_``, ``unsqueeze_``, ``as_strided_``...) resync the
+wrapper from the inner tensor, and ``param.data = other`` (what ``Module.to/half`` use) rebinds it.
+
+Speed: every op costs one Python call, so `_dispatch` is written for the common case (flat args of
+sim tensors and scalars) and everything it needs to know about an op (which args it writes, whether
+its outputs alias, whether it takes a generator, whether its operands get bf16-rounded) is read
+from the schema once and cached in `_Facts`.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +35,12 @@ aten = torch.ops.aten
 _CPU = torch.device("cpu")
 _NO_KWARGS: dict = {}
 _SIM_DEVICES = [torch.device("sim", i) for i in range(_device.device_count())]
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_Tensor = torch.Tensor
+_STRIDED = torch.strided
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = aten.set_.source_Storage_storage_offset
+_TENSOR_DATA = torch._C.TensorBase.data  # the C-level `.data` descriptor SimTensor.data extends
 
 # Ops that legitimately mix devices (they are how data moves between host and device).
 _CROSS_DEVICE_OK = frozenset(
@@ -38,6 +52,23 @@ _CROSS_DEVICE_OK = frozenset(
         aten.copy.default,
     }
 )
+
+# Ops whose index tensors may stay on the host, as CUDA allows (``x_cuda[cpu_long_tensor]``).
+_CPU_INDICES_OK = frozenset(
+    {
+        aten.index.Tensor,
+        aten.index.Tensor_out,
+        aten.index_put.default,
+        aten.index_put_.default,
+        aten._index_put_impl_.default,
+        aten._unsafe_index.Tensor,
+        aten._unsafe_index_put.default,
+    }
+)
+
+# op -> replacement host implementation, for ops whose CPU kernel lacks something a real
+# accelerator has (see kernels.py); called with the inner tensors instead of the CPU kernel.
+_HOST_IMPLS: dict[torch._ops.OpOverload, Callable] = {}
 
 
 class SimTensor(torch.Tensor):
@@ -52,19 +83,7 @@ class SimTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor, idx: int) -> SimTensor:
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            inner.size(),
-            strides=inner.stride(),
-            storage_offset=inner.storage_offset(),
-            dtype=inner.dtype,
-            layout=inner.layout,
-            device=_SIM_DEVICES[idx],
-            requires_grad=False,
-        )
-        r._inner = inner
-        r._idx = idx
-        return r
+        return _new(inner, idx)
 
     def __repr__(self, *, tensor_contents: object = None) -> str:
         body = repr(self._inner)
@@ -76,79 +95,99 @@ class SimTensor(torch.Tensor):
     def __reduce_ex__(self, proto: int):  # pickling moves host data, like torch.save of a cuda tensor
         return (_rebuild, (self._inner, self._idx))
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or _NO_KWARGS)
+    def __format__(self, spec: str) -> str:
+        # torch formats 0-dim tensors as their value only for exact `Tensor`s (f"expert_{idx}").
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self) -> list | int | float | bool:
+        """Host copy as (nested) Python lists, as on any accelerator."""
+        return _Tensor.cpu(self).tolist()
+
+    def numpy(self, *, force: bool = False):
+        if not force:
+            raise TypeError(
+                f"can't convert sim:{self._idx} device type tensor to numpy. Use Tensor.cpu() to copy the "
+                "tensor to host memory first."
+            )
+        return _Tensor.cpu(self).numpy()
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        # torch copies the wrapper's metadata from `new`; the host memory must follow it.
+        _TENSOR_DATA.__set__(self, new)
+        _precision.forget(self._inner)
+        if isinstance(new, SimTensor):
+            self._inner = new._inner
+            self._idx = new._idx
+        else:
+            self._inner = new
+
+    __torch_dispatch__ = classmethod(lambda cls, func, types, args=(), kwargs=None: _dispatch(func, args, kwargs))
+
+
+def _new(inner: torch.Tensor, idx: int) -> SimTensor:
+    if inner.layout is _STRIDED:
+        r = _make_wrapper(
+            SimTensor, inner.size(), strides=inner.stride(), storage_offset=inner.storage_offset(),
+            dtype=inner.dtype, device=_SIM_DEVICES[idx],
+        )
+    else:
+        r = _make_wrapper(SimTensor, inner.size(), dtype=inner.dtype, layout=inner.layout, device=_SIM_DEVICES[idx])
+    r._inner = inner
+    r._idx = idx
+    return r
 
 
 def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
-    return SimTensor(inner, idx)
+    return _new(inner, idx)
 
 
-def _mixed(func, a: str, b: str) -> RuntimeError:
-    return RuntimeError(
-        "Expected all tensors to be on the same device, but found at least two devices, "
-        f"{a} and {b}! (when running '{_opset.op_name(func)}' on the sim backend)"
-    )
+class _Facts:
+    """What `_dispatch` needs to know about one OpOverload, read from its schema once."""
+
+    __slots__ = ("call", "written", "written_kw", "aliases", "generator", "reduced", "cross_ok")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        schema = func._schema
+        host = _HOST_IMPLS.get(func)
+        self.call = host if host is not None else func._op
+        written, written_kw = [], []
+        pos = 0
+        self.generator: int | str | None = None
+        for arg in schema.arguments:
+            is_write = arg.alias_info is not None and arg.alias_info.is_write
+            if arg.kwarg_only:
+                if is_write:
+                    written_kw.append(arg.name)
+                if arg.name == "generator":
+                    self.generator = arg.name
+            else:
+                if is_write:
+                    written.append(pos)
+                if arg.name == "generator":
+                    self.generator = pos
+                pos += 1
+        self.written = tuple(written)
+        self.written_kw = tuple(written_kw)
+        # Outputs that alias an input must never get fault-filled: that would corrupt the input (weights).
+        self.aliases = any(r.alias_info is not None for r in schema.returns)
+        self.reduced = _precision.REDUCED_ARGS.get(func)
+        self.cross_ok = func in _CROSS_DEVICE_OK
 
 
-def _unwrap_seq(xs, state: list, wrappers: dict, func):
-    """Slow path for nested arguments (lists of tensors for cat/stack, device kwargs)."""
-    out = []
-    for x in xs:
-        if isinstance(x, SimTensor):
-            if state[0] < 0:
-                state[0] = x._idx
-            elif state[0] != x._idx and func not in _CROSS_DEVICE_OK:
-                raise _mixed(func, f"sim:{state[0]}", f"sim:{x._idx}")
-            wrappers[id(x._inner)] = x
-            out.append(x._inner)
-        elif isinstance(x, torch.Tensor):
-            if x.dim() > 0:
-                state[1] = True  # a non-scalar CPU tensor; 0-dim ones act as scalars, as on CUDA
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            out.append(type(x)(_unwrap_seq(x, state, wrappers, func)) if x else x)
-        elif isinstance(x, torch.device) and x.type == "sim":
-            out.append(_CPU)
-        else:
-            out.append(x)
-    return out
+_FACTS: dict[torch._ops.OpOverload, _Facts] = {}
 
 
-def _wrap(x, idx: int, wrappers: dict, fresh: list):
-    if isinstance(x, torch.Tensor):
-        w = wrappers.get(id(x))
-        if w is not None:
-            return w  # in-place / out= op: hand back the caller's own wrapper
-        fresh.append(x)
-        return SimTensor(x, idx)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_wrap(y, idx, wrappers, fresh) for y in x)
-    return x
-
-
-_VIEW_OPS: dict[torch._ops.OpOverload, bool] = {}
-
-
-def _is_view(func) -> bool:
-    # Outputs that alias an input must never get fault-filled: that would corrupt the input (weights).
-    hit = _VIEW_OPS.get(func)
-    if hit is None:
-        hit = any(r.alias_info is not None for r in func._schema.returns)
-        _VIEW_OPS[func] = hit
-    return hit
-
-
-_GENERATOR_OPS: dict[torch._ops.OpOverload, bool] = {}
-
-
-def _takes_generator(func) -> bool:
-    hit = _GENERATOR_OPS.get(func)
-    if hit is None:
-        hit = any(a.name == "generator" for a in func._schema.arguments)
-        _GENERATOR_OPS[func] = hit
-    return hit
+def register_host_impl(func: torch._ops.OpOverload, impl: Callable) -> None:
+    """Run `impl` (on host tensors) instead of `func`'s CPU kernel whenever `func` runs on sim."""
+    _HOST_IMPLS[func] = impl
+    _FACTS.pop(func, None)
 
 
 _trace: set | None = None
@@ -167,7 +206,112 @@ def stop_trace() -> set[str]:
     return {_opset.op_name(f) for f in seen}
 
 
-def _dispatch(func, args: tuple, kwargs: dict):
+def _mixed(func, a: str, b: str) -> RuntimeError:
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{a} and {b}! (when running '{_opset.op_name(func)}' on the sim backend)"
+    )
+
+
+class _Seen:
+    """Device bookkeeping while unwrapping nested arguments (the slow path)."""
+
+    __slots__ = ("idx", "cpu", "dev")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.cpu = False  # a non-scalar CPU tensor was passed
+        self.dev: torch.device | None = None  # a sim device argument
+
+
+def _unwrap(x, seen: _Seen, func, cross_ok: bool):
+    t = type(x)
+    if t is SimTensor:
+        j = x._idx
+        if seen.idx != j:
+            if seen.idx < 0:
+                seen.idx = j
+            elif not cross_ok:
+                raise _mixed(func, f"sim:{seen.idx}", f"sim:{j}")
+        return x._inner
+    if t is list or t is tuple:
+        if not x or type(x[0]) is int:
+            return x
+        if func in _CPU_INDICES_OK:
+            cpu = seen.cpu
+            out = t(_unwrap(y, seen, func, cross_ok) for y in x)
+            seen.cpu = cpu
+            return out
+        return t(_unwrap(y, seen, func, cross_ok) for y in x)
+    if isinstance(x, torch.Tensor):
+        if x.dim() > 0:
+            seen.cpu = True  # a non-scalar CPU tensor; 0-dim ones act as scalars, as on CUDA
+        return x
+    if t is torch.device and x.type == "sim":
+        seen.dev = x
+        return _CPU
+    return x
+
+
+def _wrap(x, idx: int, fresh: list):
+    if type(x) is _Tensor:
+        fresh.append(x)
+        return _new(x, idx)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap(y, idx, fresh) for y in x)
+    return x
+
+
+def _resync(w: SimTensor) -> None:
+    """Make the wrapper's sizes/strides/offset match its inner tensor again after an in-place change."""
+    x = w._inner
+    _set_storage.redispatch(_CPU_KEYS, w, w.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+
+def _pair(back: dict[int, object], orig, inn) -> None:
+    if isinstance(orig, (list, tuple)):
+        for o, i in zip(orig, inn, strict=True):
+            back[id(i)] = o
+    elif orig is not None:
+        back[id(inn)] = orig
+
+
+def _finish_writes(facts: _Facts, args: tuple, kwargs: dict, a: list, k: dict, out, idx: int):
+    """After an op that writes an argument (in-place, out=, running stats): resync wrappers whose
+    metadata changed, hand back the caller's own objects for outputs that are written arguments,
+    and wrap the rest as fresh sim tensors."""
+    back: dict[int, object] = {}
+    for i in facts.written:
+        if i < len(args):
+            _pair(back, args[i], a[i])
+    for name in facts.written_kw:
+        if name in kwargs:
+            _pair(back, kwargs[name], k[name])
+    for w in back.values():
+        if type(w) is SimTensor:
+            x = w._inner
+            if x.shape != w.shape or x.stride() != w.stride() or x.storage_offset() != w.storage_offset():
+                _resync(w)
+    fresh: list[torch.Tensor] = []
+
+    def rewrap(o):
+        if isinstance(o, torch.Tensor):
+            hit = back.get(id(o))
+            if hit is not None:
+                return hit
+            fresh.append(o)
+            return _new(o, idx)
+        if isinstance(o, (list, tuple)):
+            return type(o)(rewrap(y) for y in o)
+        return o
+
+    result = rewrap(out)
+    if fresh and _faults._active:
+        _faults.on_launch(idx, fresh)
+    return result
+
+
+def _dispatch(func, args: tuple, kwargs: dict | None):
     if _trace is not None:
         _trace.add(func)
     profile = _opset._profile
@@ -176,81 +320,119 @@ def _dispatch(func, args: tuple, kwargs: dict):
         allowed = profile.allows(func)
     if not allowed:
         raise _opset.unsupported_error(func)
+    facts = _FACTS.get(func)
+    if facts is None:
+        facts = _FACTS[func] = _Facts(func)
 
-    # Hot path, hand-inlined: most calls are flat tuples of sim tensors and Python scalars.
+    # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
     idx = -1
-    wrappers: dict[int, SimTensor] = {}
     a = []
-    slow = False
+    seen = None
     for x in args:
-        if isinstance(x, SimTensor):
-            if idx != x._idx:
+        t = type(x)
+        if t is SimTensor:
+            j = x._idx
+            if idx != j:
                 if idx < 0:
-                    idx = x._idx
-                elif func not in _CROSS_DEVICE_OK:
-                    raise _mixed(func, f"sim:{idx}", f"sim:{x._idx}")
-            inner = x._inner
-            wrappers[id(inner)] = x
-            a.append(inner)
-        elif isinstance(x, (torch.Tensor, list, tuple, torch.device)):
-            slow = True
-            break
-        else:
+                    idx = j
+                elif not facts.cross_ok:
+                    raise _mixed(func, f"sim:{idx}", f"sim:{j}")
+            a.append(x._inner)
+        elif t is int or t is float or t is bool or x is None or ((t is list or t is tuple) and (not x or type(x[0]) is int)):
             a.append(x)
-    state = [idx, False]
-    if slow:
-        wrappers.clear()
-        a = _unwrap_seq(args, state, wrappers, func)
+        else:
+            if seen is None:
+                seen = _Seen(idx)
+            seen.idx = idx
+            a.append(_unwrap(x, seen, func, facts.cross_ok))
+            idx = seen.idx
     k = kwargs
     if k:
-        k = dict(zip(k, _unwrap_seq(k.values(), state, wrappers, func), strict=True))
-    idx = state[0]
-    if state[1] and func not in _CROSS_DEVICE_OK:
-        raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
-
-    if func is aten._to_copy.default:
-        dev = kwargs.get("device")
-        if dev is not None:
-            dev = torch.device(dev)
-            if dev.type != "sim":
-                return func(*a, **k)  # leaving the device: plain CPU result
-            if dev.index is not None:
-                idx = dev.index
-    elif idx < 0:
-        dev = kwargs.get("device")
-        idx = (
-            _device._index_of(dev)
-            if dev is not None and torch.device(dev).type == "sim"
-            else _device._current
-        )
-
-    if _takes_generator(func) and k.get("generator") is None:
-        k = dict(k)
-        k["generator"] = _device._generators[idx]
-
-    if func in _precision.REDUCED_ARGS:
-        a = _precision.reduce_args(func, tuple(a))
-    out = func(*a, **k)
-
-    fresh: list[torch.Tensor] = []
-    if isinstance(out, torch.Tensor):
-        w = wrappers.get(id(out))
-        if w is not None:
-            return w  # in-place / out= op: hand back the caller's own wrapper
-        result = SimTensor(out, idx)
-        fresh.append(out)
+        if seen is None:
+            seen = _Seen(idx)
+        seen.idx = idx
+        k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
+        idx = seen.idx
     else:
-        result = _wrap(out, idx, wrappers, fresh)
-    if _faults._active and fresh and not _is_view(func):
+        k = _NO_KWARGS
+    if seen is not None:
+        if seen.cpu and not facts.cross_ok:
+            raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
+        dev = seen.dev
+        if func is aten._to_copy.default:
+            target = kwargs.get("device")
+            if target is not None and target.type != "sim":
+                return func._op(*a, **k)  # leaving the device: plain CPU result
+            if dev is not None and dev.index is not None:
+                idx = _device._check_index(dev.index)
+        elif idx < 0 and dev is not None:
+            idx = _device._index_of(dev)
+    if idx < 0:
+        idx = _device._current
+
+    g = facts.generator
+    if g is not None:
+        if type(g) is str:
+            if k.get(g) is None:
+                k = dict(k)
+                k[g] = _device._generators[idx]
+        elif g < len(a):
+            if a[g] is None:
+                a[g] = _device._generators[idx]
+        elif k.get("generator") is None:
+            k = dict(k)
+            k["generator"] = _device._generators[idx]
+
+    red = facts.reduced
+    if red is not None and _precision._mode != "highest":
+        _precision.reduce_operands(a, red, args)
+    written = facts.written or facts.written_kw
+    if written and _precision._cache:
+        for i in facts.written:
+            if i < len(a):
+                _precision.forget(a[i])
+        for n in facts.written_kw:
+            _precision.forget(k.get(n))
+
+    try:
+        out = facts.call(*a, **k)
+    except NotImplementedError as e:
+        if "from the 'CPU' backend" in str(e):
+            raise _opset.unsupported_error(func, missing_host_kernel=True) from None
+        raise
+
+    if written:
+        return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
+    if type(out) is _Tensor:
+        result = _new(out, idx)
+        if _faults._active and not facts.aliases:
+            _faults.on_launch(idx, [out])
+        return result
+    if out is None or not isinstance(out, (list, tuple)):
+        return out
+    fresh: list[torch.Tensor] = []
+    result = _wrap(out, idx, fresh)
+    if _faults._active and fresh and not facts.aliases:
         _faults.on_launch(idx, fresh)
     return result
 
 
 def to_sim(t: torch.Tensor, index: int = 0) -> SimTensor:
     """Wrap a CPU tensor's data as a sim tensor without a copy (for kernels in this package)."""
-    return SimTensor(t, index)
+    return _new(t, index)
 
 
 def inner(t: SimTensor) -> torch.Tensor:
-    """The host tensor backing a sim tensor (no copy): for collectives and debugging."""
+    """The host tensor backing a sim tensor (no copy): for collectives and debugging.
+
+    Whoever writes through it bypasses the dispatcher, so the call also drops sim's cached bf16
+    copies of that memory (see `precision`); re-fetch it rather than keeping it across model steps.
+    """
+    _precision.forget(t._inner)
     return t._inner
+
+
+def mark_written(t: torch.Tensor) -> None:
+    """Tell sim that `t`'s memory was changed behind the dispatcher's back (drops cached copies)."""
+    if isinstance(t, SimTensor):
+        _precision.forget(t._inner)
