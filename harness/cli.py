@@ -137,8 +137,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from harness.model_list import find_entry
     from harness.runner import run_models
 
+    config = _config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
     entry = find_entry(args.model)
-    config = _config(args, jobs=1, retries=0, progress=False)
     db = args.db
     tmp = None
     if db is None:
@@ -209,7 +209,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for outcome, n in sorted(summary.counts.items(), key=lambda kv: -kv[1]):
         print(f"  {outcome:<22} {n:>6}  {n / max(total_done, 1):6.1%}")
     if summary.quarantined:
-        print(f"  quarantined devices: {', '.join(summary.quarantined)}")
+        print(f"  quarantined devices: {', '.join(summary.quarantined)}"
+              + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if args.report:
@@ -317,15 +318,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from harness.load import LoadError
+def _is_input_error(e: Exception) -> bool:
+    """Bad input the user can fix (list, id, DB, settings, hub): a message, not a traceback.
+
+    Imported only once something failed: subcommands like `report` or `diff` shouldn't pay for
+    importing torch (via harness.load) at start-up."""
     from harness.model_list import ModelListError, UnknownModelError
     from harness.record import StoreError
 
+    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError):
+        return True
+    load = sys.modules.get("harness.load")
+    return load is not None and isinstance(e, load.LoadError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelListError, UnknownModelError, StoreError, LoadError, ValueError) as e:
+    except Exception as e:
+        if not _is_input_error(e):
+            raise
         print(f"portharness: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

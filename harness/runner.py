@@ -67,6 +67,7 @@ class RunSummary:
     wall_s: float
     quarantined: list[str]
     faults_seen: int
+    spares_used: list[str] = field(default_factory=list)
     unfinished: int = 0
 
     @property
@@ -76,15 +77,19 @@ class RunSummary:
 
 def target_devices(target: str) -> list[str]:
     """Every device index of the target's type, or just the one named (`sim:1`)."""
+    if target.split(":")[0] == "sim":
+        import harness.sim  # noqa: F401  makes "sim" a device type even with torch autoload off
     dev = torch.device(target)
     if dev.index is not None:
         return [str(dev)]
     if dev.type == "cpu":
         return ["cpu"]
     if dev.type == "sim":
-        import harness.sim as sim
+        # Workers read the count from the environment when they start; so must we (this process may
+        # have registered sim earlier under another environment).
+        from harness.sim.device import _read_device_count
 
-        return [f"sim:{i}" for i in range(sim.device_count())]
+        return [f"sim:{i}" for i in range(_read_device_count())]
     mod = getattr(torch, dev.type, None)
     count = mod.device_count() if mod is not None and hasattr(mod, "device_count") else 0
     if count < 1:
@@ -104,6 +109,30 @@ def shard(entries: list[ModelEntry], spec: str) -> list[ModelEntry]:
     return ordered[i - 1 :: n]
 
 
+_PRELOAD = ["torch", "transformers", "harness.worker"]
+
+
+def _worker_context() -> Any:
+    """A forkserver that has imported torch + transformers once, so a replacement worker starts in
+    a fraction of a second instead of re-importing for several seconds (spawn). The server is
+    started with torch's backend autoload off: `sim` must be registered in each worker, after it has
+    applied its own environment (device count, faults), not inherited from the server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    from multiprocessing import forkserver
+
+    prev = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if prev is None:
+            os.environ.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+        else:
+            os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = prev
+    return ctx
+
+
 @dataclass
 class _Pending:
     entry: ModelEntry
@@ -117,7 +146,8 @@ class _Worker:
         self.device = device
         parent, child = ctx.Pipe()
         self.conn = parent
-        self.proc = ctx.Process(target=worker_main, args=(child, device, threads, mem_cap_mb), daemon=True)
+        env = dict(os.environ)  # the forkserver's env is from whenever it started; workers get today's
+        self.proc = ctx.Process(target=worker_main, args=(child, device, threads, mem_cap_mb, env), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
@@ -227,12 +257,14 @@ class _Supervisor:
         self.active = devices[: len(devices) - config.spare]
         self.spares = devices[len(devices) - config.spare :]
         self.quarantined: list[str] = []
+        self.spares_used: list[str] = []
         self.strikes: Counter[str] = Counter()
         self.flaky_by_device: dict[str, list[_Pending]] = {}
+        self.probation: dict[str, set[str]] = {}  # device -> models whose failure there awaits a re-run
         self.counts: Counter[str] = Counter()
         self.faults_seen = 0
         self.threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _worker_context()
         self.workers: list[_Worker] = []
         self.startup_failures = 0
         self.progress = _Progress(len(self.queue), config.progress)
@@ -277,6 +309,8 @@ class _Supervisor:
         self.store.record(ResultRow(**data))
 
     def _finish(self, p: _Pending, row: dict[str, Any], outcome: str) -> None:
+        for a in p.attempts:
+            self.probation.get(a["device"], set()).discard(p.entry.id)
         self._write(p, row, outcome)
         self.counts[outcome] += 1
         self.progress.update(outcome)
@@ -290,12 +324,14 @@ class _Supervisor:
 
     def _quarantine(self, device: str) -> None:
         self.quarantined.append(device)
+        self.probation.pop(device, None)
         self.active.remove(device)
         print(f"\nportharness: quarantining {device} after {self.strikes[device]} device-attributable "
               f"failures", file=sys.stderr)
         if self.spares:
             spare = self.spares.pop(0)
             self.active.append(spare)
+            self.spares_used.append(spare)
             print(f"portharness: bringing in hot spare {spare}", file=sys.stderr)
         for w in [w for w in self.workers if w.device == device]:
             p = w.job
@@ -334,14 +370,15 @@ class _Supervisor:
         if _device_error(row):
             self.faults_seen += 1
             self._strike(w.device)
-        failed_before = [a for a in p.attempts[:-1] if a["outcome"] not in ("pass", "interrupted")]
-        if outcome == "pass" and failed_before:
+        failed_before = [a for a in p.attempts[:-1] if a["outcome"] != "interrupted"]
+        if failed_before and not _suspicious(row):
+            # It ran cleanly here after failing elsewhere: those failures were the devices' (or flakes).
             for a in failed_before:
                 if not _device_error(a):  # device errors already struck when they happened
                     self._strike(a["device"])
             p.last_row = row
-            if all(a["device"] in self.quarantined for a in failed_before):
-                self._finish(p, row, "pass")
+            if outcome != "pass" or all(a["device"] in self.quarantined for a in failed_before):
+                self._finish(p, row, outcome)
             else:
                 self._finish(p, row, "flaky")
                 for a in failed_before:
@@ -350,6 +387,7 @@ class _Supervisor:
         retries_used = sum(1 for a in p.attempts if a["outcome"] != "interrupted") - 1
         if _suspicious(row) and retries_used < self.cfg.retries and self.active:
             p.avoid.add(w.device)
+            self.probation.setdefault(w.device, set()).add(p.entry.id)
             self.queue.appendleft(p)
             return
         self._finish(p, row, outcome)
@@ -371,16 +409,21 @@ class _Supervisor:
 
     def _assign(self) -> None:
         for w in self.workers:
-            if not w.ready or w.job is not None or not self.queue:
+            if not w.ready or w.job is not None or not self.queue or w.device not in self.active:
                 continue
-            if w.device not in self.active:
-                continue
-            # Prefer a model that hasn't already failed on this worker's device.
-            pick = next((p for p in self.queue if w.device not in p.avoid), None)
+            # A device whose failure is awaiting a verdict elsewhere is cordoned: it takes retries only.
+            cordoned = bool(self.probation.get(w.device))
+            everywhere_failed = set(self.active)
+            pick = None
+            for p in self.queue:
+                if cordoned and not p.attempts:
+                    continue
+                if w.device in p.avoid and not everywhere_failed <= p.avoid:
+                    continue
+                pick = p
+                break
             if pick is None:
-                if len(self.active) > 1:
-                    continue  # another device will take it
-                pick = self.queue[0]
+                continue
             self.queue.remove(pick)
             task = Task(
                 entry=asdict(pick.entry),
@@ -417,6 +460,7 @@ class _Supervisor:
             wall_s=time.monotonic() - t0,
             quarantined=list(self.quarantined),
             faults_seen=self.faults_seen,
+            spares_used=list(self.spares_used),
             unfinished=unfinished,
         )
 

@@ -278,11 +278,21 @@ def _cap_memory(cap_mb: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def worker_main(conn: Any, device: str, threads: int, mem_cap_mb: int | None) -> None:
+def worker_main(conn: Any, device: str, threads: int, mem_cap_mb: int | None, env: dict[str, str]) -> None:
     """Child-process loop: receive Task dicts, send back result dicts, until the pipe closes."""
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(max(1, threads))
-    if torch.device(device).type == "sim":
-        import harness.sim  # noqa: F401  registers the backend in this process
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()  # config warnings would drown the progress bar
+    except Exception:
+        pass
+    if device.split(":")[0] == "sim":
+        import harness.sim  # noqa: F401  registers the backend (also when torch autoload is off)
     _cap_memory(mem_cap_mb)
     conn.send({"type": "ready", "pid": os.getpid(), "device": device})
     while True:

@@ -1,0 +1,103 @@
+"""Build local, remote-code Hugging Face models that misbehave on the target device only.
+
+Real fleets meet models whose custom code segfaults a driver, spins forever or allocates without
+bound. These are real `save_pretrained` checkpoints with their own modelling code (`auto_map`,
+loaded with `trust_remote_code=True`): the reference run on CPU is fine, the target run is not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+CONFIG_PY = '''
+from transformers import PretrainedConfig
+
+
+class PathoConfig(PretrainedConfig):
+    model_type = "patho"
+
+    def __init__(self, behaviour="none", hidden_size=16, vocab_size=64, **kwargs):
+        self.behaviour = behaviour
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+'''
+
+MODELING_PY = '''
+import os
+import signal
+import time
+
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput
+
+from .configuration_patho import PathoConfig
+
+
+class PathoModel(PreTrainedModel):
+    config_class = PathoConfig
+    base_model_prefix = "patho"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        if input_ids.device.type != "cpu":
+            b = self.config.behaviour
+            if b == "crash":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            elif b == "hang":
+                time.sleep(3600)
+            elif b == "oom":
+                torch.empty(2**33, dtype=torch.uint8, device=input_ids.device)  # 8 GiB: only a cap stops it
+        return BaseModelOutput(last_hidden_state=self.proj(self.embed(input_ids)))
+'''
+
+
+def _load_module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def build(root: Path, behaviour: str) -> Path:
+    """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU."""
+    import torch
+
+    d = root / f"patho-{behaviour}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "configuration_patho.py").write_text(CONFIG_PY)
+    (d / "modeling_patho.py").write_text(MODELING_PY.replace("from .configuration_patho", "from configuration_patho"))
+    sys.path.insert(0, str(d))
+    try:
+        cfg_mod = _load_module(d / "configuration_patho.py", "configuration_patho")
+        model_mod = _load_module(d / "modeling_patho.py", f"modeling_patho_{behaviour}")
+        cfg = cfg_mod.PathoConfig(behaviour=behaviour)
+        torch.manual_seed(0)
+        model = model_mod.PathoModel(cfg)
+        model.save_pretrained(d)
+    finally:
+        sys.path.remove(str(d))
+        sys.modules.pop("configuration_patho", None)
+    # The shipped code uses the relative import transformers' dynamic-module loader expects.
+    (d / "modeling_patho.py").write_text(MODELING_PY)
+    conf = json.loads((d / "config.json").read_text())
+    conf["auto_map"] = {"AutoConfig": "configuration_patho.PathoConfig", "AutoModel": "modeling_patho.PathoModel"}
+    (d / "config.json").write_text(json.dumps(conf, indent=2))
+    return d
+
+
+def list_rows(dirs: dict[str, Path]) -> str:
+    """Model-list CSV rows (no header) for built checkpoints, keyed by id."""
+    return "".join(
+        f"{mid},local,patho,base,text,,,,true,,,{path}\n" for mid, path in dirs.items()
+    )
