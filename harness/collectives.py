@@ -61,8 +61,19 @@ MAX_SIZE = 1 << 30
 TARGETS = {"sim": ("sim", "sim(gloo)"), "cpu": ("shaped_gloo", "gloo"), "cuda": ("shaped_nccl", "nccl")}
 
 # The DDP model: GPT-2 shrunk so a step is short on a 2-core host but the gradients (~5.7 MiB in
-# fp32) are big enough for the communication settings to show.
-DDP_CONFIG = {"vocab_size": 8192, "n_embd": 128, "n_layer": 2, "n_head": 2, "n_positions": 64}
+# fp32) are big enough for the communication settings to show. No dropout: nothing random in a step.
+DDP_CONFIG = {
+    "vocab_size": 8192,
+    "n_embd": 128,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_positions": 64,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
 DDP_BATCH = (2, 32)  # sequences x tokens per rank
 
 
@@ -309,6 +320,7 @@ def _ddp_setup(cfg: BenchConfig, specs: dict, rank: int, device, note: dict) -> 
     for name, s in specs.items():
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(**DDP_CONFIG)).to(device)
+        model.tie_weights()  # .to("sim") unties lm_head from wte (a new Parameter per module); re-tie
         note["ddp_params"] = sum(p.numel() for p in model.parameters())
         with collective_settings(s):
             ddp = DDP(model, bucket_cap_mb=s.bucket_mb)
@@ -528,7 +540,8 @@ def record(result: BenchResult, db: str | os.PathLike, argv: str = "") -> str:
     return run_id
 
 
-def _fmt_size(n: int) -> str:
+def fmt_size(n: int) -> str:
+    """Bytes as "4 KiB" / "16 MiB" (exact units where they divide)."""
     for unit, div in (("MiB", MIB), ("KiB", KIB)):
         if n >= div and n % div == 0:
             return f"{n // div} {unit}"
@@ -551,7 +564,7 @@ def format_table(result: BenchResult) -> str:
         lines.append(
             (
                 m.op,
-                _fmt_size(m.size_bytes),
+                fmt_size(m.size_bytes),
                 m.setting,
                 f"{m.median_s * 1e3:.3f}",
                 f"{m.p10_s * 1e3:.3f}-{m.p90_s * 1e3:.3f}",
@@ -582,7 +595,7 @@ def format_table(result: BenchResult) -> str:
         out.append("")
         out.append(
             f"ddp_step: tiny GPT-2 ({result.note.get('ddp_params', 0):,} params, "
-            f"{_fmt_size(result.note.get('ddp_grad_bytes', 0))} of fp32 grads), batch "
+            f"{fmt_size(result.note.get('ddp_grad_bytes', 0))} of fp32 grads), batch "
             f"{DDP_BATCH[0]}x{DDP_BATCH[1]} per rank, on {devices}" + (f" ({reasons[0]})" if reasons else "")
         )
     return "\n".join(out)
