@@ -31,6 +31,18 @@ from __future__ import annotations
 
 import importlib
 
+
+def _autoload() -> None:
+    """Entry point for ``torch.backends`` autoloading (runs inside `import torch`).
+
+    Defined before this package imports torch: when `import harness.sim` comes first, torch's
+    autoload re-enters this half-imported package, finds this function and does nothing (the
+    package registers at the end of its own import).
+    """
+    if "_register" in globals():
+        _register()
+
+
 import torch
 
 from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
@@ -101,10 +113,6 @@ def _register() -> None:
     kernels.register()
     _registered = True
 
-
-def _autoload() -> None:
-    """Entry point for ``torch.backends`` autoloading (runs inside `import torch`)."""
-    _register()
 
 
 def is_registered() -> bool:
