@@ -19,11 +19,11 @@ def headline(result: hc.BenchResult, setting: str = "skinny") -> str:
     for m in result.measurements:
         if m.setting != setting:
             continue
-        slower = "slower" if m.ratio_p10 > 1.0 else ("faster" if m.ratio_p90 < 1.0 else "within noise")
-        lines.append(
-            f"  {m.op:<21} {hc.fmt_size(m.size_bytes):>9}  x{m.ratio:5.2f}  [{m.ratio_p10:.2f}-{m.ratio_p90:.2f}]"
-            f"  {slower}"
-        )
+        # "slower" only when even the p10 paired ratio is above 1: most repeats agree, not one outlier.
+        verdict = "slower" if m.ratio_p10 > 1.0 else ("faster" if m.ratio_p90 < 1.0 else "within noise")
+        size = hc.fmt_size(m.size_bytes)
+        spread = f"[{m.ratio_p10:.2f}-{m.ratio_p90:.2f}]"
+        lines.append(f"  {m.op:<21} {size:>9}  x{m.ratio:5.2f}  {spread}  {verdict}")
     return "\n".join(lines)
 
 

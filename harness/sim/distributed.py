@@ -50,6 +50,21 @@ every rank of the world to take part. Shaped by the settings: ``allreduce``,
 transport, unshaped: ``reduce``, ``gather``, ``scatter``, ``alltoall``, ``all_to_all_single``,
 ``send``/``recv``, ``barrier``.
 
+Use::
+
+    import torch, torch.distributed as dist
+    import harness.sim.distributed as simdist  # after torch: registers the backends
+    dist.init_process_group("sim", store=store, rank=rank, world_size=world)
+    t = torch.ones(4).to(f"sim:{rank % harness.sim.device_count()}")
+    with simdist.collective_settings(simdist.parse_setting("skinny")):
+        dist.all_reduce(t)
+
+Two things DDP on sim users meet that are not about communication (both belong to the sim tensor /
+device layer): autograd only runs on ``sim:0`` (torch 2.13's Python PrivateUse1 device guard reports
+one device, so backward on ``sim:1`` trips an engine assert; each rank is its own process, so train
+on its own ``sim:0``), and ``model.to("sim")`` unties tied weights (GPT-2's ``lm_head``/``wte``):
+call ``model.tie_weights()`` after moving.
+
 This module depends only on torch (and `harness.sim`); nothing here knows about the harness runner.
 """
 
@@ -509,7 +524,8 @@ class ShapedProcessGroup(dist.ProcessGroup):
 
     # -- collectives ----------------------------------------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors: list[torch.Tensor], opts: c10d.AllreduceOptions | None = None) -> c10d.Work:
+        """In-place all_reduce of each tensor, split/staged by the settings; what DDP's reducer calls."""
         return self._finish(self._allreduce_host(self._host(tensors), opts, _settings), list(tensors))
 
     def _allreduce_host(self, host: list[torch.Tensor], opts, s: CollectiveSettings) -> list:
@@ -529,7 +545,9 @@ class ShapedProcessGroup(dist.ProcessGroup):
                 self._stage_broadcast(intra, flat, 0, opts, s).wait()
         return pending
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: c10d.AllreduceCoalescedOptions | None = None
+    ) -> c10d.Work:
         """Pack tensors into buckets of ``bucket_mb`` (0: none), one allreduce per bucket."""
         s = _settings
         host = self._host(tensors)
@@ -552,7 +570,8 @@ class ShapedProcessGroup(dist.ProcessGroup):
                     dst.copy_(src)
         return self._finish([], list(tensors))
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors: list[torch.Tensor], opts: c10d.BroadcastOptions | None = None) -> c10d.Work:
+        """Broadcast from ``opts.rootRank`` (DDP's initial state sync and per-forward buffer sync)."""
         s = _settings
         root = opts.rootRank if opts is not None else 0
         pending: list = []
@@ -572,14 +591,23 @@ class ShapedProcessGroup(dist.ProcessGroup):
                 self._stage_broadcast(intra, flat, 0, opts, s).wait()
         return self._finish(pending, list(tensors))
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: c10d.AllgatherOptions | None = None,
+    ) -> c10d.Work:
+        """List all_gather (DDP checks parameter shapes across ranks with it)."""
         s = _settings
         pending: list = []
         for outs, t in zip(output_tensors, input_tensors, strict=True):
             pending += self._allgather_one(self._host(outs), _flat(self._unwrap(t)), opts, s)
         return self._finish(pending, list(output_tensors))
 
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: c10d.AllgatherOptions | None = None
+    ) -> c10d.Work:
+        """``all_gather_into_tensor``: rank r's input lands in row r of ``output``."""
         s = _settings
         out = _flat(self._unwrap(output))
         flat = _flat(self._unwrap(input))
@@ -615,7 +643,13 @@ class ShapedProcessGroup(dist.ProcessGroup):
             o.copy_(r)
         return []
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: c10d.ReduceScatterOptions | None = None,
+    ) -> c10d.Work:
+        """List reduce_scatter: rank r gets the reduction of everyone's ``input_tensors[0][r]``."""
         s = _settings
         pending: list = []
         for t, ins in zip(output_tensors, input_tensors, strict=True):
@@ -624,7 +658,10 @@ class ShapedProcessGroup(dist.ProcessGroup):
             )
         return self._finish(pending, list(output_tensors))
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: c10d.ReduceScatterOptions | None = None
+    ) -> c10d.Work:
+        """``reduce_scatter_tensor``: rank r gets the reduction of row r of everyone's ``input``."""
         s = _settings
         out = _flat(self._unwrap(output))
         flat = _flat(self._unwrap(input))
@@ -663,7 +700,8 @@ class ShapedProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single  # the pre-2.10 names, still what some C++ callers use
     _reduce_scatter_base = reduce_scatter_single
 
-    def barrier(self, opts=None):
+    def barrier(self, opts: c10d.BarrierOptions | None = None) -> c10d.Work:
+        """A transport barrier (never shaped: nothing to split)."""
         return self._world.barrier(opts if opts is not None else c10d.BarrierOptions())
 
     # -- pass-through (not shaped by the settings): so they work and fail clearly, not via dispatch --
