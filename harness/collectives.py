@@ -78,8 +78,8 @@ DDP_BATCH = (2, 32)  # sequences x tokens per rank
 
 
 def _simdist():
-    """`harness.sim.distributed`, imported after torch: importing `harness.sim` before torch re-enters
-    it through torch's backend autoload and fails (a partially initialised module)."""
+    """`harness.sim.distributed`, imported lazily (torch first) so that importing this module for the
+    CLI stays cheap; until 193b139 importing `harness.sim` before torch also broke torch's autoload."""
     import torch  # noqa: F401
 
     import harness.sim.distributed
