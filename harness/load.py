@@ -1,0 +1,202 @@
+"""Loading a model-list entry into an eval-mode CPU model.
+
+``tiny`` entries are built from the shrunk config under a fixed seed, so every process (the CPU
+reference, the target run, a retry) gets bit-identical weights without any files.  ``hub`` and
+``local`` entries go through ``from_pretrained``.  Failures become ``LoadError`` subclasses with
+a message that says what to do, because "could not load" is the most common outcome on a new
+machine (no network, no cache, remote code).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model_list import ModelEntry
+
+
+class LoadError(RuntimeError):
+    """The model could not be loaded; the original exception is chained as ``__cause__``."""
+
+
+class ModelNotFoundError(LoadError):
+    """Unknown hub id, missing revision or missing local path."""
+
+
+class HubUnreachableError(LoadError):
+    """No network (or offline mode) and nothing cached for this id."""
+
+
+class RemoteCodeRequiredError(LoadError):
+    """The checkpoint needs ``trust_remote_code`` but the entry does not allow it."""
+
+
+class AttentionUnsupportedError(LoadError):
+    """The requested ``attn_implementation`` (e.g. flex_attention) is not supported by this model."""
+
+
+@dataclass
+class LoadedModel:
+    """A ready model plus what the later stages need to know about it."""
+
+    model: torch.nn.Module
+    config: Any
+    entry: ModelEntry
+    load_time_s: float
+
+
+def hf_cache_dir() -> str | None:
+    """``$PORTHARNESS_HF_CACHE`` if set, else None (transformers' standard cache)."""
+    return os.environ.get("PORTHARNESS_HF_CACHE") or None
+
+
+def _offline() -> bool:
+    # read at call time: huggingface_hub caches the variable at import
+    return any(
+        os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+def build_tiny(
+    arch: str,
+    task: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """Instantiate the tiny ``arch`` model with head ``task`` and seeded random weights.
+
+    The global RNG is seeded for construction and restored afterwards, so callers' randomness
+    is unaffected and two calls with one seed give identical weights.
+    """
+    from .zoo import auto_class, tiny_config
+
+    config = tiny_config(arch, task)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            # a few initialisers draw from Python's or NumPy's RNG instead of torch's
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
+            model = auto_class(task).from_config(config, **kwargs)
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    return model.eval()
+
+
+def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | None) -> LoadError:
+    """Turn whatever transformers / huggingface_hub raised into an actionable LoadError."""
+    from huggingface_hub import errors as hf_errors
+
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " | ".join(str(x) for x in chain)
+    low = text.lower()
+    where = entry.path if entry.source == "local" else entry.id
+
+    def has(cls: type) -> bool:
+        return any(isinstance(x, cls) for x in chain)
+
+    if has(hf_errors.GatedRepoError):
+        return LoadError(
+            f"{where}: the repository is gated; accept its licence on huggingface.co and log in "
+            f"(`huggingface-cli login`) or pre-download it"
+        )
+    if has(hf_errors.RepositoryNotFoundError) or "is not a valid model identifier" in low:
+        return ModelNotFoundError(f"{where}: no such model on the hub (or it is private); check the id")
+    if has(hf_errors.RevisionNotFoundError) or "invalid git identifier" in low:
+        return ModelNotFoundError(
+            f"{where}: revision {entry.revision!r} not found; check the revision column"
+        )
+    if "trust_remote_code" in low and not entry.trust_remote_code:
+        return RemoteCodeRequiredError(
+            f"{where}: this checkpoint ships its own modelling code; set trust_remote_code=true in the model "
+            f"list if you trust it"
+        )
+    if has(hf_errors.LocalEntryNotFoundError) or "couldn't connect" in low or "offline" in low:
+        return HubUnreachableError(
+            f"{where}: not in the local cache and the hub cannot be reached"
+            f"{' (HF_HUB_OFFLINE is set)' if _offline() else ''}; set HF_HUB_OFFLINE=0 or pre-download with "
+            f"`huggingface-cli download {entry.id}`"
+        )
+    if attn_implementation and attn_implementation in text and ("support" in low or "not available" in low):
+        return AttentionUnsupportedError(
+            f"{where}: attn_implementation={attn_implementation!r} is not supported by this model: {chain[0]}"
+        )
+    return LoadError(f"{where}: could not load ({type(exc).__name__}: {str(exc)[:500]})")
+
+
+def _from_pretrained(
+    entry: ModelEntry, name: str, dtype: torch.dtype, attn_implementation: str | None
+) -> Any:
+    from .zoo import auto_class
+
+    kwargs: dict[str, Any] = {
+        "dtype": dtype,
+        "trust_remote_code": entry.trust_remote_code,
+    }
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if entry.source == "hub":
+        kwargs["revision"] = entry.revision
+        kwargs["cache_dir"] = hf_cache_dir()
+        if _offline():
+            kwargs["local_files_only"] = True
+    return auto_class(entry.task).from_pretrained(name, **kwargs)
+
+
+def load_model(
+    entry: ModelEntry,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> LoadedModel:
+    """Load ``entry`` as an eval-mode model on CPU.
+
+    ``attn_implementation`` ("eager", "sdpa", "flex_attention", ...) is passed to transformers,
+    which applies it to every sub-config.  Raises LoadError (or a subclass) on failure.
+    """
+    t0 = time.perf_counter()
+    try:
+        if entry.source == "tiny":
+            model = build_tiny(
+                entry.arch, entry.task, seed=seed, dtype=dtype, attn_implementation=attn_implementation
+            )
+        elif entry.source == "local":
+            if not entry.path or not os.path.isdir(entry.path):
+                raise ModelNotFoundError(
+                    f"{entry.id}: local path {entry.path!r} is not a directory; fix the path column"
+                )
+            if not os.path.isfile(os.path.join(entry.path, "config.json")):
+                raise ModelNotFoundError(
+                    f"{entry.path}: no config.json there; point path at a directory "
+                    f"written by save_pretrained"
+                )
+            model = _from_pretrained(entry, entry.path, dtype, attn_implementation)
+        elif entry.source == "hub":
+            model = _from_pretrained(entry, entry.id, dtype, attn_implementation)
+        else:
+            raise LoadError(f"{entry.id}: unknown source {entry.source!r}")
+    except LoadError:
+        raise
+    except Exception as exc:  # transformers raises OSError/ValueError/ImportError/... for everything
+        raise _classify(exc, entry, attn_implementation) from exc
+    model = model.to("cpu").eval()
+    return LoadedModel(model=model, config=model.config, entry=entry, load_time_s=time.perf_counter() - t0)
