@@ -1,0 +1,62 @@
+"""`portharness check`: one model through the real worker, the verdict, and the exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.sim.opset import PROFILE_DIR
+
+
+def check(*args: str, timeout: float = 600) -> tuple[int, dict, str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "check", *args, "--json"],
+        capture_output=True, text=True, timeout=timeout, env=dict(os.environ),
+    )
+    row = json.loads(res.stdout) if res.stdout.strip().startswith("{") else {}
+    return res.returncode, row, res.stderr
+
+
+def test_bert_passes_at_highest_precision() -> None:
+    code, row, err = check("tiny/bert/base", "--precision", "highest")
+    assert code == 0, err[-2000:]
+    assert row["outcome"] == "pass"
+    assert row["max_abs_err"] == 0.0  # highest is bit-exact against the CPU reference
+
+
+def test_bert_drifts_at_default_precision_and_names_the_first_module() -> None:
+    code, row, _ = check("tiny/bert/base", "--precision", "default")
+    assert code == 1
+    assert row["outcome"] == "drift"
+    assert 0 < row["max_abs_err"] < 0.05  # measurable, but small: bf16-rounded matmul inputs
+    assert row["first_drift_module_type"] == "Linear"
+
+
+def test_missing_op_is_reported_by_name(tmp_path: Path) -> None:
+    ops = [line for line in (PROFILE_DIR / "young.txt").read_text().splitlines()
+           if not line.startswith("aten::native_layer_norm")]
+    profile = tmp_path / "no-layernorm.txt"
+    profile.write_text("\n".join(ops) + "\n")
+    code, row, _ = check("tiny/bert/base", "--precision", "highest", "--ops", str(profile))
+    assert code == 1
+    assert row["outcome"] == "unsupported_op"
+    assert row["unsupported_op"] == "aten::native_layer_norm"
+    assert "Could not run 'aten::native_layer_norm'" in row["error_message"]
+
+
+def test_injected_nan_is_drift_localized_to_a_module() -> None:
+    code, row, _ = check("tiny/bert/base", "--precision", "highest", "--fault", "sim:0=nan:1.0")
+    assert code == 1
+    assert row["outcome"] == "drift"
+    assert row["first_drift_module"].startswith("embeddings.")
+    assert "non-finite" in row["error_message"]
+
+
+def test_flex_attention_is_an_unsupported_op() -> None:
+    code, row, _ = check("tiny/llama/causal-lm", "--precision", "highest", "--attn", "flex_attention")
+    assert code == 1
+    assert row["outcome"] == "unsupported_op"
+    assert row["unsupported_op"] == "flex_attention"
