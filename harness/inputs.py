@@ -5,11 +5,10 @@ reproducible from ``seed`` alone (a local ``torch.Generator``; the global RNG is
 and valid for the model: token ids below the vocab and away from special ids, an attention mask
 with real padding (so masking code is exercised), image/audio sizes the conv stacks accept.
 
-What to build is decided by a *recipe*: ``text``, ``text+image``, ``image``, ``video``, ``audio``,
-``audio-3d``, ``audio-spec``, ``features-bft``, ``features-btf``, ``time-series``.  By default it follows from
-``model.main_input_name`` and the config; a model-list entry may pin it (``{"recipe": "audio-3d"}``)
-together with sizes (``seq_len``, ``batch_size``, ``image_size``, ``num_frames``, ``audio_len``,
-``num_choices``, ``decoder_seq_len``).
+What to build is decided by a *recipe* (``RECIPES``; documented in model_lists/README.md).  By
+default it follows from the model (``main_input_name``, forward signature, config); a model-list
+entry may pin it (``{"recipe": "audio-3d"}``) together with sizes (``seq_len``, ``batch_size``,
+``image_size``, ``num_frames``, ``audio_len``, ``num_choices``, ``decoder_seq_len``).
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ RECIPES = (
     "features-bft",
     "features-btf",
     "time-series",
+    "vlm",
+    "patches",
 )
 
 DEFAULTS: dict[str, Any] = {
@@ -149,6 +150,12 @@ def default_recipe(model: torch.nn.Module, config: Any) -> str:
     """The recipe implied by the model's main input and config."""
     main = getattr(model, "main_input_name", "input_ids")
     params = _forward_params(model)
+    if _required(params, "grid_thw") or _required(params, "image_grid_thw"):
+        return "patches"
+    if "pixel_values" in params and _image_features_fn(model) is not None and isinstance(
+        find_attr(config, "image_token_id", "image_token_index"), int
+    ):
+        return "vlm"
     if main in ("past_values",):
         return "time-series"
     if main == "input_values":
@@ -336,6 +343,76 @@ def _half_mask(ctx: _Ctx, n: int) -> torch.Tensor:
     return mask
 
 
+def _image_features_fn(model: torch.nn.Module) -> Any:
+    inner = getattr(model, "model", None)
+    return getattr(model, "get_image_features", None) or getattr(inner, "get_image_features", None)
+
+
+def _count_image_tokens(features: Any, batch: int) -> int:
+    """Feature vectors per image from whatever get_image_features returned."""
+    if isinstance(features, dict):  # ModelOutput: projected features are pooler_output / image_embeds
+        for key in ("pooler_output", "image_embeds", "last_hidden_state"):
+            if features.get(key) is not None:
+                features = features[key]
+                break
+    if isinstance(features, (list, tuple)):
+        first = features[0]
+        return int(first.shape[-2]) if first.dim() >= 2 else int(first.shape[0])
+    if features.dim() == 3:
+        return int(features.shape[0] * features.shape[1] // batch)
+    return int(features.shape[0] // batch)
+
+
+def _patchified_image(ctx: _Ctx, out: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> None:
+    """Qwen2-VL style: flattened patches (n_patches, C * T * p * p) plus a (t, h, w) grid per image."""
+    cfg = ctx.config
+    patch = int(find_attr(cfg, "patch_size", prefer="vision_config", default=14))
+    merge = int(find_attr(cfg, "spatial_merge_size", prefer="vision_config", default=2))
+    temporal = int(find_attr(cfg, "temporal_patch_size", prefer="vision_config", default=1))
+    channels = int(find_attr(cfg, "in_channels", "num_channels", prefer="vision_config", default=3))
+    side = max(merge, (int(ctx.opts.get("grid", 8)) // merge) * merge)
+    out["pixel_values"] = ctx.randn(ctx.batch * side * side, channels * temporal * patch * patch)
+    extra["image_grid_thw"] = torch.tensor([[1, side, side]] * ctx.batch)
+
+
+def _vlm(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
+    """Text with one image per row: as many image tokens as the vision tower yields features."""
+    fn = _image_features_fn(ctx.model)
+    image_token = find_attr(ctx.config, "image_token_id", "image_token_index")
+    if fn is None or not isinstance(image_token, int):
+        raise ValueError("recipe 'vlm' needs a model with get_image_features and an image token id")
+    extra: dict[str, torch.Tensor] = {}
+    fparams = inspect.signature(fn).parameters
+    if "image_grid_thw" in fparams:
+        _patchified_image(ctx, out, extra)
+    else:
+        _image(ctx, out)
+    if "image_sizes" in fparams:
+        h, w = out["pixel_values"].shape[-2:]
+        extra["image_sizes"] = torch.tensor([[h, w]] * ctx.batch)
+    with torch.no_grad():
+        try:
+            features = fn(pixel_values=out["pixel_values"], **extra)
+        except (ValueError, RuntimeError):
+            if out["pixel_values"].dim() != 4:
+                raise
+            # Idefics-style towers take (batch, images, C, H, W)
+            out["pixel_values"] = out["pixel_values"].unsqueeze(1)
+            features = fn(pixel_values=out["pixel_values"], **extra)
+        n_img = _count_image_tokens(features, ctx.batch)
+    _text(ctx, out)
+    ids, mask = out["input_ids"], out.get("attention_mask")
+    image_ids = torch.full((ctx.batch, n_img), image_token, dtype=ids.dtype)
+    out["input_ids"] = torch.cat([image_ids, ids], dim=1)
+    if mask is not None:
+        out["attention_mask"] = torch.cat([torch.ones(ctx.batch, n_img, dtype=mask.dtype), mask], dim=1)
+    if "token_type_ids" in out:
+        out["token_type_ids"] = torch.cat([torch.zeros_like(image_ids), out["token_type_ids"]], dim=1)
+    if ctx.accepts("mm_token_type_ids"):  # 0 = text, 1 = image (M-RoPE position layout)
+        out["mm_token_type_ids"] = (out["input_ids"] == image_token).long()
+    out.update({k: v for k, v in extra.items() if ctx.accepts(k)})
+
+
 def _video(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
     cfg = ctx.config
     frames = int(
@@ -483,6 +560,15 @@ def make_inputs(
         _features(ctx, out, bins_first=recipe == "features-bft")
     if recipe == "time-series":
         _time_series(ctx, out)
+    if recipe == "vlm":
+        _vlm(ctx, out)
+    if recipe == "patches":  # a Qwen2-VL-style vision tower on its own
+        extra: dict[str, torch.Tensor] = {}
+        _patchified_image(ctx, out, extra)
+        first = next((n for n in ("hidden_states", "pixel_values") if n in ctx.params), "pixel_values")
+        out[first] = out.pop("pixel_values")
+        grid = "grid_thw" if ctx.accepts("grid_thw") else "image_grid_thw"
+        out[grid] = extra["image_grid_thw"]
     return out
 
 

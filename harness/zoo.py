@@ -157,6 +157,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "chameleon": {"vocabulary_map": {"<image>": 1000}},
     "emu3": {"vocabulary_map": {"<image>": 1000}},
     "xmod": {"default_language": "en_XX"},
+    "vipllava": {"vision_feature_layers": [-2, -1]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "dac": {"encoder_hidden_size": 8},
     "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
     "lilt": {"hidden_size": 96},
@@ -248,6 +250,8 @@ def _shrink_int(key: str, v: int, heads_ctx: dict[str, int]) -> int:
         return min(v, MEL_BINS)
     if k in {"codebook_size", "num_embeddings", "num_codevectors_per_group", "codebook_vocab_size"}:
         return min(v, 64)
+    if k == "mm_tokens_per_image":  # pooled image tokens must tile the patch grid
+        return min(v, 16)
     if k == "num_queries":
         return min(v, 16)
     if k == "sliding_window":
@@ -660,6 +664,7 @@ _ALT_RECIPES = {
     "input_features": ("features-bft", "features-btf"),
     "pixel_values": ("image", "text+image", "video"),
     "input_ids": ("text", "text+image"),
+    "vlm": ("text",),
 }
 
 
@@ -668,7 +673,7 @@ def _modality(config: Any, recipe: str) -> str:
         getattr(config, k, None) is not None for k in ("vision_config", "visual", "image_config")
     )
     has_audio = getattr(config, "audio_config", None) is not None
-    if (has_vision or has_audio) and recipe in ("text", "text+image") or recipe == "text+image":
+    if (has_vision or has_audio) and recipe in ("text", "text+image") or recipe in ("text+image", "vlm"):
         return "multimodal"
     return {
         "text": "text",
@@ -679,6 +684,7 @@ def _modality(config: Any, recipe: str) -> str:
         "features-bft": "audio",
         "features-btf": "audio",
         "audio-spec": "audio",
+        "patches": "vision",
         "time-series": "time-series",
     }[recipe]
 
@@ -731,8 +737,9 @@ def check_candidate(model_type: str, task: str, max_params: int = MAX_PARAMS) ->
         return {**out, "status": "build", "error": f"{type(e).__name__}: {e}"[:300]}
     main = getattr(model, "main_input_name", "input_ids")
     first = default_recipe(model, model.config)
-    recipes = [first] + [r for r in _ALT_RECIPES.get(main, ()) if r != first]
-    first_error: tuple[str, str] | None = None
+    alternatives = _ALT_RECIPES.get(first, ()) + _ALT_RECIPES.get(main, ())
+    recipes = list(dict.fromkeys([first, *alternatives]))
+    attempts: list[tuple[str, str]] = []  # (stage, error) of recipes that did not work
     for recipe in recipes:
         entry = ModelEntry(
             id=f"tiny/{model_type}/{task}",
@@ -744,7 +751,7 @@ def check_candidate(model_type: str, task: str, max_params: int = MAX_PARAMS) ->
         try:
             inputs = make_inputs(model, model.config, entry, seed=0)
         except Exception as e:  # noqa: BLE001
-            first_error = first_error or ("inputs", f"{recipe}: {type(e).__name__}: {e}"[:300])
+            attempts.append(("inputs", f"{recipe}: {type(e).__name__}: {e}"[:300]))
             continue
         try:
             with torch.no_grad():
@@ -753,11 +760,11 @@ def check_candidate(model_type: str, task: str, max_params: int = MAX_PARAMS) ->
                 res2 = output_tensors(model(**inputs))
                 forward_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001
-            first_error = first_error or ("forward", f"{recipe}: {type(e).__name__}: {e}"[:300])
+            attempts.append(("forward", f"{recipe}: {type(e).__name__}: {e}"[:300]))
             continue
         floats = {k: v for k, v in res1.items() if v.is_floating_point()}
         if not floats:
-            first_error = first_error or ("no-output", f"{recipe}: no floating-point outputs")
+            attempts.append(("no-output", f"{recipe}: no floating-point outputs"))
             continue
         if any(not torch.isfinite(v).all() and torch.isnan(v).any() for v in floats.values()):
             return {**out, "status": "nonfinite", "error": f"{recipe}: NaN in CPU outputs"}
@@ -773,9 +780,10 @@ def check_candidate(model_type: str, task: str, max_params: int = MAX_PARAMS) ->
             "forward_s": round(forward_s, 4),
             "tags": _tags(model.config, recipe, modality, forward_s),
             "outputs": sorted(res1)[:8],
+            "attempts": attempts,
         }
-    status, error = first_error or ("inputs", "no input recipe applies")
-    return {**out, "status": status, "error": error}
+    status, error = attempts[0] if attempts else ("inputs", "no input recipe applies")
+    return {**out, "status": status, "error": error, "attempts": attempts}
 
 
 def _worker(conn: Any, check: Any = None) -> None:

@@ -176,3 +176,29 @@ def test_output_tensors_structures_and_exactness() -> None:
     assert needs_exact(torch.tensor([True])) and not needs_exact(torch.zeros(1, dtype=torch.complex64))
     assert output_tensors(t) == {"output": t}
     assert set(output_tensors((t, t))) == {"0", "1"}
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "idefics3"])
+def test_vlm_inputs_carry_one_image_token_per_feature(arch: str) -> None:
+    model = tiny(arch, "image-text-to-text")
+    assert default_recipe(model, model.config) == "vlm"
+    x, out = run(arch, "image-text-to-text")
+    image_token = model.config.image_token_id
+    n_img = int((x["input_ids"][0] == image_token).sum())
+    assert n_img > 0 and (x["input_ids"] == image_token).sum(-1).tolist() == [n_img, n_img]
+    assert x["attention_mask"].shape == x["input_ids"].shape
+    assert out.logits.shape[:2] == x["input_ids"].shape
+
+
+def test_patches_recipe_for_standalone_vision_towers() -> None:
+    x, out = run("qwen2_5_vl_vision", "base")
+    assert set(x) == {"hidden_states", "grid_thw"} and x["grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8]]
+    assert x["hidden_states"].shape[0] == 2 * 8 * 8
+    assert torch.isfinite(output_tensors(out)["last_hidden_state"]).all()
+
+
+def test_audio_spectrogram_recipe() -> None:
+    x, out = run("audio-spectrogram-transformer", "audio-cls")
+    cfg = tiny("audio-spectrogram-transformer", "audio-cls").config
+    assert x["input_values"].shape == (2, cfg.max_length, cfg.num_mel_bins)
+    assert out.logits.shape == (2, 3)
