@@ -22,7 +22,17 @@ devices    PORTHARNESS_SIM_DEVICES      (read at import)                      de
 ========== ============================ ===================================== ======================
 
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
-it raises PyTorch's own "FlexAttention is only supported on ..." ValueError.
+calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..." ValueError, and
+reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
+NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
+
+Known limits, both PyTorch's: the Python-registered device guard reports one device to the
+autograd engine, so ``backward()`` through tensors on ``sim:1`` and up fails inside the engine; and
+an exception inside an op the engine runs on its device thread would abort the process, so sim
+defers it (NaN outputs) and raises it when ``backward()`` returns / at the next sim call.
+
+``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
+samples on sim against CPU.
 
 This package depends only on torch; nothing here knows about the harness runner.
 """

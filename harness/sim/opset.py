@@ -105,7 +105,22 @@ def op_name(func: torch._ops.OpOverload) -> str:
     return func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"
 
 
-_profile = OpProfile(os.environ.get(OPS_ENV, "young"))
+_resolved: dict[tuple[str, float], OpProfile] = {}
+
+
+def resolve(name: str) -> OpProfile:
+    """The profile called `name`, parsed once per file version (context managers switch often)."""
+    path = PROFILE_DIR / f"{name}.txt"
+    if not path.exists():
+        path = Path(name)
+    key = (name, path.stat().st_mtime if path.is_file() else 0.0)
+    prof = _resolved.get(key)
+    if prof is None:
+        prof = _resolved[key] = OpProfile(name)
+    return prof
+
+
+_profile = resolve(os.environ.get(OPS_ENV, "young"))
 
 
 def get_op_profile() -> OpProfile:
@@ -114,14 +129,14 @@ def get_op_profile() -> OpProfile:
 
 def set_op_profile(name: str) -> None:
     global _profile
-    _profile = OpProfile(name)
+    _profile = resolve(name)
 
 
 @contextmanager
 def op_profile(name: str) -> Iterator[None]:
     """Run the block with another op profile (``full``, ``young``, or a file path)."""
     global _profile
-    prev, _profile = _profile, OpProfile(name)
+    prev, _profile = _profile, resolve(name)
     try:
         yield
     finally:

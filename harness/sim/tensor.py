@@ -22,9 +22,12 @@ from the schema once and cached in `_Facts`.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 
 import torch
+from torch.utils._pytree import tree_leaves as pytree_leaves
+from torch.utils._pytree import tree_map as pytree_map
 
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
@@ -101,6 +104,10 @@ class SimTensor(torch.Tensor):
             return self.item().__format__(spec)
         return object.__format__(self, spec)
 
+    def backward(self, *args, **kwargs) -> None:
+        _Tensor.backward(self, *args, **kwargs)
+        _raise_deferred()  # an op that failed on the autograd device thread fails this call
+
     def tolist(self) -> list | int | float | bool:
         """Host copy as (nested) Python lists, as on any accelerator."""
         return _Tensor.cpu(self).tolist()
@@ -128,7 +135,9 @@ class SimTensor(torch.Tensor):
         else:
             self._inner = new
 
-    __torch_dispatch__ = classmethod(lambda cls, func, types, args=(), kwargs=None: _dispatch(func, args, kwargs))
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # replaced by _dispatch below
+        return _dispatch(cls, func, types, args, kwargs)
 
 
 def _new(inner: torch.Tensor, idx: int) -> SimTensor:
@@ -311,110 +320,170 @@ def _finish_writes(facts: _Facts, args: tuple, kwargs: dict, a: list, k: dict, o
     return result
 
 
-def _dispatch(func, args: tuple, kwargs: dict | None):
-    if _trace is not None:
-        _trace.add(func)
-    profile = _opset._profile
-    allowed = profile._cache.get(func)
-    if allowed is None:
-        allowed = profile.allows(func)
-    if not allowed:
-        raise _opset.unsupported_error(func)
-    facts = _FACTS.get(func)
-    if facts is None:
-        facts = _FACTS[func] = _Facts(func)
+# An error raised inside an op that the autograd engine runs on its sim device thread must not
+# reach C++: torch's Python device guard calls back into Python while the exception is unwinding
+# and the process aborts ("terminate called without an active exception"). So such an op returns
+# NaN-filled outputs of the right shapes (computed on meta), and the error is raised at the next
+# sim call on a normal thread (or when `backward()` returns), the way CUDA reports asynchronous
+# errors at the next synchronizing call.
+_deferred: BaseException | None = None
 
-    # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
-    idx = -1
-    a = []
-    seen = None
-    for x in args:
-        t = type(x)
-        if t is SimTensor:
-            j = x._idx
-            if idx != j:
-                if idx < 0:
-                    idx = j
-                elif not facts.cross_ok:
-                    raise _mixed(func, f"sim:{idx}", f"sim:{j}")
-            a.append(x._inner)
-        elif t is int or t is float or t is bool or x is None or ((t is list or t is tuple) and (not x or type(x[0]) is int)):
-            a.append(x)
-        else:
+
+def _defer(error: BaseException, func, args: tuple, kwargs: dict | None):
+    global _deferred
+    if _deferred is None:
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised by '{_opset.op_name(func)}' during backward on the autograd device thread; "
+                           "reported at the next sim call)")
+        _deferred = error
+
+    def meta(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if type(x) is torch.device:
+            return torch.device("meta")
+        return x
+
+    try:
+        out = func(*pytree_map(meta, args), **pytree_map(meta, kwargs or {}))
+    except Exception:
+        raise error from None  # cannot even fake the shapes: abort is all that is left
+    idx = next((x._idx for x in pytree_leaves((args, kwargs)) if type(x) is SimTensor), _device._current)
+
+    def poison(x):
+        if isinstance(x, torch.Tensor):
+            fill = float("nan") if x.is_floating_point() or x.is_complex() else 0
+            return _new(torch.full(x.shape, fill, dtype=x.dtype), idx)
+        return x
+
+    return pytree_map(poison, out)
+
+
+def _raise_deferred() -> None:
+    """Raise the error an op hit on the autograd device thread, if any (outside backward only)."""
+    global _deferred
+    if _deferred is None or (threading.current_thread() is not threading.main_thread()
+                             and torch._C._current_graph_task_id() >= 0):
+        return
+    error, _deferred = _deferred, None
+    raise error
+
+
+def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
+    """`SimTensor.__torch_dispatch__`: every ATen op on a sim tensor lands here."""
+    if _deferred is not None:
+        _raise_deferred()
+    try:
+        if _trace is not None:
+            _trace.add(func)
+        profile = _opset._profile
+        allowed = profile._cache.get(func)
+        if allowed is None:
+            allowed = profile.allows(func)
+        if not allowed:
+            raise _opset.unsupported_error(func)
+        facts = _FACTS.get(func)
+        if facts is None:
+            facts = _FACTS[func] = _Facts(func)
+
+        # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
+        idx = -1
+        a = []
+        seen = None
+        for x in args:
+            t = type(x)
+            if t is SimTensor:
+                j = x._idx
+                if idx != j:
+                    if idx < 0:
+                        idx = j
+                    elif not facts.cross_ok:
+                        raise _mixed(func, f"sim:{idx}", f"sim:{j}")
+                a.append(x._inner)
+            elif t is int or t is float or t is bool or x is None or ((t is list or t is tuple) and (not x or type(x[0]) is int)):
+                a.append(x)
+            else:
+                if seen is None:
+                    seen = _Seen(idx)
+                seen.idx = idx
+                a.append(_unwrap(x, seen, func, facts.cross_ok))
+                idx = seen.idx
+        k = kwargs
+        if k:
             if seen is None:
                 seen = _Seen(idx)
             seen.idx = idx
-            a.append(_unwrap(x, seen, func, facts.cross_ok))
+            k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
             idx = seen.idx
-    k = kwargs
-    if k:
-        if seen is None:
-            seen = _Seen(idx)
-        seen.idx = idx
-        k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
-        idx = seen.idx
-    else:
-        k = _NO_KWARGS
-    if seen is not None:
-        if seen.cpu and not facts.cross_ok:
-            raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
-        dev = seen.dev
-        if func is aten._to_copy.default:
-            target = kwargs.get("device")
-            if target is not None and target.type != "sim":
-                return func._op(*a, **k)  # leaving the device: plain CPU result
-            if dev is not None and dev.index is not None:
-                idx = _device._check_index(dev.index)
-        elif idx < 0 and dev is not None:
-            idx = _device._index_of(dev)
-    if idx < 0:
-        idx = _device._current
+        else:
+            k = _NO_KWARGS
+        if seen is not None:
+            if seen.cpu and not facts.cross_ok:
+                raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
+            dev = seen.dev
+            if func is aten._to_copy.default:
+                target = kwargs.get("device")
+                if target is not None and target.type != "sim":
+                    return func._op(*a, **k)  # leaving the device: plain CPU result
+                if dev is not None and dev.index is not None:
+                    idx = _device._check_index(dev.index)
+            elif idx < 0 and dev is not None:
+                idx = _device._index_of(dev)
+        if idx < 0:
+            idx = _device._current
 
-    g = facts.generator
-    if g is not None:
-        if type(g) is str:
-            if k.get(g) is None:
+        g = facts.generator
+        if g is not None:
+            if type(g) is str:
+                if k.get(g) is None:
+                    k = dict(k)
+                    k[g] = _device._generators[idx]
+            elif g < len(a):
+                if a[g] is None:
+                    a[g] = _device._generators[idx]
+            elif k.get("generator") is None:
                 k = dict(k)
-                k[g] = _device._generators[idx]
-        elif g < len(a):
-            if a[g] is None:
-                a[g] = _device._generators[idx]
-        elif k.get("generator") is None:
-            k = dict(k)
-            k["generator"] = _device._generators[idx]
+                k["generator"] = _device._generators[idx]
 
-    red = facts.reduced
-    if red is not None and _precision._mode != "highest":
-        _precision.reduce_operands(a, red, args)
-    written = facts.written or facts.written_kw
-    if written and _precision._cache:
-        for i in facts.written:
-            if i < len(a):
-                _precision.forget(a[i])
-        for n in facts.written_kw:
-            _precision.forget(k.get(n))
+        red = facts.reduced
+        if red is not None and _precision._mode != "highest":
+            _precision.reduce_operands(a, red, args)
+        written = facts.written or facts.written_kw
+        if written and _precision._cache:
+            for i in facts.written:
+                if i < len(a):
+                    _precision.forget(a[i])
+            for n in facts.written_kw:
+                _precision.forget(k.get(n))
 
-    try:
-        out = facts.call(*a, **k)
-    except NotImplementedError as e:
-        if "from the 'CPU' backend" in str(e):
-            raise _opset.unsupported_error(func, missing_host_kernel=True) from None
-        raise
+        try:
+            out = facts.call(*a, **k)
+        except NotImplementedError as e:
+            if "from the 'CPU' backend" in str(e):
+                raise _opset.unsupported_error(func, missing_host_kernel=True) from None
+            raise
 
-    if written:
-        return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
-    if type(out) is _Tensor:
-        result = _new(out, idx)
-        if _faults._active and not facts.aliases:
-            _faults.on_launch(idx, [out])
+        if written:
+            return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
+        if type(out) is _Tensor:
+            result = _new(out, idx)
+            if _faults._active and not facts.aliases:
+                _faults.on_launch(idx, [out])
+            return result
+        if out is None or not isinstance(out, (list, tuple)):
+            return out
+        fresh: list[torch.Tensor] = []
+        result = _wrap(out, idx, fresh)
+        if _faults._active and fresh and not facts.aliases:
+            _faults.on_launch(idx, fresh)
         return result
-    if out is None or not isinstance(out, (list, tuple)):
-        return out
-    fresh: list[torch.Tensor] = []
-    result = _wrap(out, idx, fresh)
-    if _faults._active and fresh and not facts.aliases:
-        _faults.on_launch(idx, fresh)
-    return result
+    except BaseException as e:
+        if threading.current_thread() is threading.main_thread() or torch._C._current_graph_task_id() < 0:
+            raise
+        return _defer(e, func, args, kwargs)
+
+
+SimTensor.__torch_dispatch__ = classmethod(_dispatch)  # one Python frame less per op
 
 
 def to_sim(t: torch.Tensor, index: int = 0) -> SimTensor:
