@@ -135,7 +135,10 @@ def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | 
             f"{' (HF_HUB_OFFLINE is set)' if _offline() else ''}; set HF_HUB_OFFLINE=0 or pre-download with "
             f"`huggingface-cli download {entry.id}`"
         )
-    if attn_implementation and attn_implementation in text and ("support" in low or "not available" in low):
+    unsupported = "does not support an attention implementation" in low or (
+        attn_implementation is not None and attn_implementation in text and "support" in low
+    )
+    if attn_implementation and unsupported:
         return AttentionUnsupportedError(
             f"{where}: attn_implementation={attn_implementation!r} is not supported by this model: {chain[0]}"
         )

@@ -13,6 +13,7 @@ allocate gigabytes), keeps those whose CPU forward works and writes ``model_list
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -20,7 +21,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -499,7 +500,11 @@ def _fill_and_fix(d: dict[str, Any]) -> None:
     if isinstance(rope, dict):
         rope_dicts += [v for v in rope.values() if isinstance(v, dict)]
     rotary = d.get("qk_rope_head_dim") if isinstance(d.get("qk_rope_head_dim"), int) else head_dim
+    max_pos = d.get("max_position_embeddings")
     for r in rope_dicts:
+        original = r.get("original_max_position_embeddings")
+        if isinstance(original, int) and isinstance(max_pos, int) and original > max_pos:
+            r["original_max_position_embeddings"] = max_pos  # llama3/yarn scaling expects <= max
         sec = r.get("mrope_section")
         if _is_int_list(sec) and sec and rotary:
             half = int(rotary * r.get("partial_rotary_factor", 1.0)) // 2
@@ -587,7 +592,8 @@ def shrink_config_dict(model_type: str) -> dict[str, Any]:
     """The shrunk config of ``model_type`` as a plain dict (what ``shrink_config`` instantiates)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    with _quiet_transformers():  # some default configs warn about their own defaults
+        default = AutoConfig.for_model(model_type)
     d = copy.deepcopy(default.to_dict())
     _add_implicit_rope_sections(d, default)
     _replace_timm_backbones(d)
@@ -611,16 +617,33 @@ def shrink_config(model_type: str) -> Any:
     Built from transformers' default config so every architecture-specific field keeps a legal
     value; only sizes change.  Raises whatever transformers raises when the result is invalid.
     """
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING
 
-    cls = type(AutoConfig.for_model(model_type))
-    return cls.from_dict(shrink_config_dict(model_type))
+    shrunk = shrink_config_dict(model_type)
+    with _quiet_transformers():
+        return CONFIG_MAPPING[model_type].from_dict(shrunk)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _adapt_config_to_task(config: Any, task: str) -> None:
     """Head-specific config needs: QA heads split 2 logits, batched seq-cls needs a pad token."""
     if task == "qa":
         config.num_labels = 2
+    if task == "causal-lm" and getattr(config, "is_decoder", None) is False and not getattr(
+        config, "is_encoder_decoder", False
+    ):
+        config.is_decoder = True  # BERT-style encoders as causal LMs: causal mask, as intended
     if (
         getattr(config, "is_encoder_decoder", False)
         and getattr(config, "decoder_start_token_id", None) is None
