@@ -24,10 +24,15 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # transformers is imported lazily: listing heads must not cost an import
+    from transformers import PretrainedConfig
+
+    from .model_list import ModelEntry
 
 # ----------------------------------------------------------------------------------------------
-# Heads: task name used in model lists -> (mapping in modeling_auto, Auto class, modality hint)
+# Heads: task name used in model lists -> (mapping in modeling_auto, Auto class)
 # ----------------------------------------------------------------------------------------------
 
 HEADS: dict[str, tuple[str, str]] = {
@@ -611,7 +616,7 @@ def shrink_config_dict(model_type: str) -> dict[str, Any]:
     return d
 
 
-def shrink_config(model_type: str) -> Any:
+def shrink_config(model_type: str) -> PretrainedConfig:
     """A tiny, deterministic config for ``model_type`` (hidden ~64, 2 layers, vocab 1024, ...).
 
     Built from transformers' default config so every architecture-specific field keeps a legal
@@ -637,7 +642,12 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _adapt_config_to_task(config: Any, task: str) -> None:
-    """Head-specific config needs: QA heads split 2 logits, batched seq-cls needs a pad token."""
+    """Head-specific config needs.
+
+    QA heads split exactly 2 logits; batched seq-cls needs a pad token to find each row's end;
+    encoder-decoders shift labels with decoder_start_token_id; encoder models used as causal LMs
+    need is_decoder for the causal mask.
+    """
     if task == "qa":
         config.num_labels = 2
     if task == "causal-lm" and getattr(config, "is_decoder", None) is False and not getattr(
@@ -658,7 +668,7 @@ def _adapt_config_to_task(config: Any, task: str) -> None:
                 cfg.pad_token_id = eos if isinstance(eos, int) else 0
 
 
-def tiny_config(model_type: str, task: str) -> Any:
+def tiny_config(model_type: str, task: str) -> PretrainedConfig:
     """``shrink_config(model_type)`` plus what head ``task`` needs (labels, pad token, class choice)."""
     config = shrink_config(model_type)
     names = head_mapping(task).get(model_type)
@@ -669,7 +679,7 @@ def tiny_config(model_type: str, task: str) -> Any:
     return config
 
 
-def count_params(task: str, config: Any) -> int:
+def count_params(task: str, config: PretrainedConfig) -> int:
     """Parameter count of ``task``'s model for ``config``, built on the meta device (no memory)."""
     import torch
 
@@ -682,6 +692,8 @@ def count_params(task: str, config: Any) -> int:
 # Checking one candidate (runs inside a child process)
 # ----------------------------------------------------------------------------------------------
 
+# Recipes to try when the default one fails, keyed by main input name (or by the default recipe).
+# The one that works is written into the list entry's ``inputs`` so later runs don't search.
 _ALT_RECIPES = {
     "input_values": ("audio", "audio-3d", "audio-spec"),
     "input_features": ("features-bft", "features-btf"),
@@ -951,7 +963,7 @@ def run_candidates(
 # ----------------------------------------------------------------------------------------------
 
 
-def result_to_entry(res: dict[str, Any]) -> Any:
+def result_to_entry(res: dict[str, Any]) -> ModelEntry:
     """A ModelEntry for one kept candidate."""
     from .model_list import ModelEntry
 
