@@ -413,7 +413,7 @@ class _Supervisor:
                 continue
             # A device whose failure is awaiting a verdict elsewhere is cordoned: it takes retries only.
             cordoned = bool(self.probation.get(w.device))
-            everywhere_failed = set(self.active)
+            everywhere_failed = {x.device for x in self.workers if x.device in self.active}
             pick = None
             for p in self.queue:
                 if cordoned and not p.attempts:
@@ -425,14 +425,21 @@ class _Supervisor:
             if pick is None:
                 continue
             self.queue.remove(pick)
-            task = Task(
-                entry=asdict(pick.entry),
-                target=w.device,
-                settings=dict(self.cfg.settings),
-                seed=self.cfg.seed,
-                localize=self.cfg.localize,
-            )
-            w.send(pick, task)
+            self._send(w, pick)
+        idle = [w for w in self.workers if w.ready and w.job is None and w.device in self.active]
+        if self.queue and idle and not any(w.job for w in self.workers):
+            # Safety net: the preferences above must never stall a run; take the head of the queue.
+            self._send(idle[0], self.queue.popleft())
+
+    def _send(self, w: _Worker, p: _Pending) -> None:
+        task = Task(
+            entry=asdict(p.entry),
+            target=w.device,
+            settings=dict(self.cfg.settings),
+            seed=self.cfg.seed,
+            localize=self.cfg.localize,
+        )
+        w.send(p, task)
 
     def run(self) -> RunSummary:
         t0 = time.monotonic()
