@@ -1,0 +1,60 @@
+"""The real runner over the smoke list (50+ architectures, every modality) on the real `sim` device.
+
+The full tiny zoo (1,400+ models) is the `slow` test at the bottom and `portharness run --list tiny-zoo`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.model_list import load_model_list
+from harness.record import ResultStore
+from harness.runner import RunConfig, run_models
+
+
+def _run(tmp_path: Path, list_name: str, settings: dict, jobs: int = 2) -> tuple[list, list[dict]]:
+    entries = load_model_list(list_name)
+    db = tmp_path / f"{list_name}.db"
+    summary = run_models(entries, RunConfig(settings=settings, jobs=jobs, timeout_s=600, progress=False), db,
+                         list_name=list_name)
+    assert summary.unfinished == 0
+    with ResultStore(db) as store:
+        return entries, store.results(summary.run_id).to_dict("records")
+
+
+def test_smoke_list_is_bit_exact_on_sim_at_highest_precision(tmp_path: Path) -> None:
+    entries, rows = _run(tmp_path, "smoke", {"precision": "highest", "ops": "full"})
+    assert len({e.arch for e in entries}) >= 50
+    assert sorted(r["model_id"] for r in rows) == sorted(e.id for e in entries)  # one row per model
+    by_outcome: dict[str, list[str]] = {}
+    for r in rows:
+        by_outcome.setdefault(r["outcome"], []).append(r["model_id"])
+    # With every op allowed and true fp32, sim must reproduce the CPU reference: anything else is a
+    # bug in the backend (or the harness), never "expected drift".
+    assert not by_outcome.get("drift"), by_outcome.get("drift")
+    assert not by_outcome.get("crash"), [(r["model_id"], r["error_message"][:200]) for r in rows
+                                         if r["outcome"] == "crash"]
+    assert len(by_outcome.get("pass", [])) >= 0.9 * len(rows), {k: len(v) for k, v in by_outcome.items()}
+
+
+def test_smoke_list_on_the_young_default_backend(tmp_path: Path) -> None:
+    """Default sim settings: reduced matmul precision drifts, the partial op set blocks some models."""
+    entries, rows = _run(tmp_path, "smoke", {"precision": "default", "ops": "young"})
+    assert len(rows) == len(entries)
+    outcomes = {r["outcome"] for r in rows}
+    assert "drift" in outcomes
+    for r in rows:
+        if r["outcome"] == "drift":
+            assert r["rmse_ratio"] is None or r["rmse_ratio"] > 1
+            assert r["first_drift_module"], r["model_id"]
+        if r["outcome"] == "unsupported_op":
+            assert r["unsupported_op"].startswith("aten::") or r["unsupported_op"] == "flex_attention"
+
+
+@pytest.mark.slow
+def test_full_tiny_zoo(tmp_path: Path) -> None:
+    entries, rows = _run(tmp_path, "tiny-zoo", {"precision": "default", "ops": "young"})
+    assert len(entries) >= 1000
+    assert sorted(r["model_id"] for r in rows) == sorted(e.id for e in entries)
