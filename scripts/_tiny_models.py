@@ -30,10 +30,22 @@ def shrunk_config(model_type: str) -> Any:
 
     cfg = AutoConfig.for_model(model_type)
     for key, value in {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 1024, "d_model": 64, "d_ff": 128, "num_layers": 2,
-        "encoder_layers": 2, "decoder_layers": 2, "n_embd": 64, "n_layer": 2, "n_head": 4,
-        "image_size": 64, "patch_size": 8,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "d_model": 64,
+        "d_ff": 128,
+        "num_layers": 2,
+        "encoder_layers": 2,
+        "decoder_layers": 2,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "image_size": 64,
+        "patch_size": 8,
     }.items():
         if isinstance(getattr(cfg, key, None), int):
             setattr(cfg, key, value)
@@ -41,13 +53,21 @@ def shrunk_config(model_type: str) -> Any:
 
 
 _AUTO = {
-    "base": "AutoModel", "causal-lm": "AutoModelForCausalLM", "masked-lm": "AutoModelForMaskedLM",
-    "seq2seq-lm": "AutoModelForSeq2SeqLM", "seq-cls": "AutoModelForSequenceClassification",
-    "token-cls": "AutoModelForTokenClassification", "qa": "AutoModelForQuestionAnswering",
-    "multiple-choice": "AutoModelForMultipleChoice", "image-cls": "AutoModelForImageClassification",
-    "semantic-seg": "AutoModelForSemanticSegmentation", "ctc": "AutoModelForCTC",
-    "audio-cls": "AutoModelForAudioClassification", "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
-    "depth": "AutoModelForDepthEstimation", "backbone": "AutoBackbone",
+    "base": "AutoModel",
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "seq-cls": "AutoModelForSequenceClassification",
+    "token-cls": "AutoModelForTokenClassification",
+    "qa": "AutoModelForQuestionAnswering",
+    "multiple-choice": "AutoModelForMultipleChoice",
+    "image-cls": "AutoModelForImageClassification",
+    "semantic-seg": "AutoModelForSemanticSegmentation",
+    "ctc": "AutoModelForCTC",
+    "audio-cls": "AutoModelForAudioClassification",
+    "speech-seq2seq": "AutoModelForSpeechSeq2Seq",
+    "depth": "AutoModelForDepthEstimation",
+    "backbone": "AutoBackbone",
 }
 
 
@@ -100,7 +120,9 @@ def make_inputs(model: torch.nn.Module, task: str, seed: int = 0) -> dict[str, t
         out["input_ids"] = torch.randint(4, max(5, min(vocab, 1000)), shape, generator=g)
         out["attention_mask"] = torch.ones(shape, dtype=torch.long)
         if getattr(cfg, "is_encoder_decoder", False):
-            out["decoder_input_ids"] = torch.randint(4, max(5, min(vocab, 1000)), (BATCH, SEQ - 2), generator=g)
+            out["decoder_input_ids"] = torch.randint(
+                4, max(5, min(vocab, 1000)), (BATCH, SEQ - 2), generator=g
+            )
     elif main == "pixel_values":
         vis = _sub(cfg, "vision_config", "backbone_config")
         size = _get(vis, ("image_size", "input_size", "img_size"), 64)

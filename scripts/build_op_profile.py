@@ -51,43 +51,130 @@ PROFILE = Path(opset.PROFILE_DIR) / "young.txt"
 # (model_type, head) pairs traced for rule 2: one or two per family, every modality.
 MODELS: list[tuple[str, str]] = [
     # text encoders
-    ("bert", "masked-lm"), ("bert", "seq-cls"), ("roberta", "token-cls"), ("distilbert", "qa"),
-    ("albert", "masked-lm"), ("electra", "seq-cls"), ("deberta", "masked-lm"), ("deberta-v2", "masked-lm"),
-    ("mpnet", "masked-lm"), ("xlm-roberta", "masked-lm"), ("convbert", "masked-lm"), ("mobilebert", "masked-lm"),
-    ("roformer", "masked-lm"), ("big_bird", "masked-lm"), ("canine", "base"), ("modernbert", "masked-lm"),
-    ("longformer", "masked-lm"), ("squeezebert", "masked-lm"), ("xlnet", "seq-cls"), ("reformer", "masked-lm"),
-    ("mra", "masked-lm"), ("fnet", "masked-lm"), ("nystromformer", "masked-lm"), ("layoutlmv3", "token-cls"),
+    ("bert", "masked-lm"),
+    ("bert", "seq-cls"),
+    ("roberta", "token-cls"),
+    ("distilbert", "qa"),
+    ("albert", "masked-lm"),
+    ("electra", "seq-cls"),
+    ("deberta", "masked-lm"),
+    ("deberta-v2", "masked-lm"),
+    ("mpnet", "masked-lm"),
+    ("xlm-roberta", "masked-lm"),
+    ("convbert", "masked-lm"),
+    ("mobilebert", "masked-lm"),
+    ("roformer", "masked-lm"),
+    ("big_bird", "masked-lm"),
+    ("canine", "base"),
+    ("modernbert", "masked-lm"),
+    ("longformer", "masked-lm"),
+    ("squeezebert", "masked-lm"),
+    ("xlnet", "seq-cls"),
+    ("reformer", "masked-lm"),
+    ("mra", "masked-lm"),
+    ("fnet", "masked-lm"),
+    ("nystromformer", "masked-lm"),
+    ("layoutlmv3", "token-cls"),
     # decoders
-    ("gpt2", "causal-lm"), ("gpt_neo", "causal-lm"), ("gptj", "causal-lm"), ("gpt_neox", "causal-lm"),
-    ("llama", "causal-lm"), ("mistral", "causal-lm"), ("qwen2", "causal-lm"), ("qwen3", "causal-lm"),
-    ("phi", "causal-lm"), ("phi3", "causal-lm"), ("gemma", "causal-lm"), ("gemma2", "causal-lm"),
-    ("gemma3n_text", "causal-lm"), ("falcon", "causal-lm"), ("bloom", "causal-lm"), ("opt", "causal-lm"),
-    ("codegen", "causal-lm"), ("olmo", "causal-lm"), ("stablelm", "causal-lm"), ("mpt", "causal-lm"),
-    ("xglm", "causal-lm"), ("ctrl", "causal-lm"), ("cpmant", "causal-lm"), ("diffllama", "causal-lm"),
-    ("granite_swa", "causal-lm"), ("llama4_text", "causal-lm"),
+    ("gpt2", "causal-lm"),
+    ("gpt_neo", "causal-lm"),
+    ("gptj", "causal-lm"),
+    ("gpt_neox", "causal-lm"),
+    ("llama", "causal-lm"),
+    ("mistral", "causal-lm"),
+    ("qwen2", "causal-lm"),
+    ("qwen3", "causal-lm"),
+    ("phi", "causal-lm"),
+    ("phi3", "causal-lm"),
+    ("gemma", "causal-lm"),
+    ("gemma2", "causal-lm"),
+    ("gemma3n_text", "causal-lm"),
+    ("falcon", "causal-lm"),
+    ("bloom", "causal-lm"),
+    ("opt", "causal-lm"),
+    ("codegen", "causal-lm"),
+    ("olmo", "causal-lm"),
+    ("stablelm", "causal-lm"),
+    ("mpt", "causal-lm"),
+    ("xglm", "causal-lm"),
+    ("ctrl", "causal-lm"),
+    ("cpmant", "causal-lm"),
+    ("diffllama", "causal-lm"),
+    ("granite_swa", "causal-lm"),
+    ("llama4_text", "causal-lm"),
     # mixture of experts and state-space / hybrid decoders
-    ("mixtral", "causal-lm"), ("qwen2_moe", "causal-lm"), ("qwen3_moe", "causal-lm"), ("deepseek_v3", "causal-lm"),
-    ("olmoe", "causal-lm"), ("jetmoe", "causal-lm"), ("gpt_oss", "causal-lm"), ("mamba", "causal-lm"),
-    ("jamba", "causal-lm"), ("bamba", "causal-lm"), ("falcon_h1", "causal-lm"), ("kimi_linear", "causal-lm"),
+    ("mixtral", "causal-lm"),
+    ("qwen2_moe", "causal-lm"),
+    ("qwen3_moe", "causal-lm"),
+    ("deepseek_v3", "causal-lm"),
+    ("olmoe", "causal-lm"),
+    ("jetmoe", "causal-lm"),
+    ("gpt_oss", "causal-lm"),
+    ("mamba", "causal-lm"),
+    ("jamba", "causal-lm"),
+    ("bamba", "causal-lm"),
+    ("falcon_h1", "causal-lm"),
+    ("kimi_linear", "causal-lm"),
     ("rwkv", "causal-lm"),
     # encoder-decoders
-    ("t5", "seq2seq-lm"), ("bart", "seq2seq-lm"), ("mbart", "seq2seq-lm"), ("pegasus", "seq2seq-lm"),
-    ("marian", "seq2seq-lm"), ("m2m_100", "seq2seq-lm"), ("led", "seq2seq-lm"),
+    ("t5", "seq2seq-lm"),
+    ("bart", "seq2seq-lm"),
+    ("mbart", "seq2seq-lm"),
+    ("pegasus", "seq2seq-lm"),
+    ("marian", "seq2seq-lm"),
+    ("m2m_100", "seq2seq-lm"),
+    ("led", "seq2seq-lm"),
     # vision
-    ("vit", "image-cls"), ("beit", "image-cls"), ("convnext", "image-cls"), ("convnextv2", "image-cls"),
-    ("swin", "image-cls"), ("swinv2", "image-cls"), ("resnet", "image-cls"), ("regnet", "image-cls"),
-    ("mobilenet_v1", "image-cls"), ("mobilenet_v2", "image-cls"), ("poolformer", "image-cls"),
-    ("segformer", "semantic-seg"), ("dinov2", "image-cls"), ("mobilevit", "image-cls"), ("focalnet", "image-cls"),
-    ("hiera", "image-cls"), ("cvt", "image-cls"), ("pvt", "image-cls"), ("bit", "image-cls"),
-    ("pp_lcnet", "image-cls"), ("hgnet_v2", "image-cls"), ("swiftformer", "image-cls"), ("glpn", "depth"),
-    ("dpt", "depth"), ("upernet", "semantic-seg"), ("maskformer", "universal-seg"), ("yolos", "object-detection"),
-    ("rt_detr", "object-detection"), ("d_fine", "object-detection"), ("clip", "image-cls"), ("siglip", "image-cls"),
-    ("sam_vision_model", "base"), ("swin", "masked-image-modeling"), ("vit_mae", "base"), ("chmv2", "depth"),
+    ("vit", "image-cls"),
+    ("beit", "image-cls"),
+    ("convnext", "image-cls"),
+    ("convnextv2", "image-cls"),
+    ("swin", "image-cls"),
+    ("swinv2", "image-cls"),
+    ("resnet", "image-cls"),
+    ("regnet", "image-cls"),
+    ("mobilenet_v1", "image-cls"),
+    ("mobilenet_v2", "image-cls"),
+    ("poolformer", "image-cls"),
+    ("segformer", "semantic-seg"),
+    ("dinov2", "image-cls"),
+    ("mobilevit", "image-cls"),
+    ("focalnet", "image-cls"),
+    ("hiera", "image-cls"),
+    ("cvt", "image-cls"),
+    ("pvt", "image-cls"),
+    ("bit", "image-cls"),
+    ("pp_lcnet", "image-cls"),
+    ("hgnet_v2", "image-cls"),
+    ("swiftformer", "image-cls"),
+    ("glpn", "depth"),
+    ("dpt", "depth"),
+    ("upernet", "semantic-seg"),
+    ("maskformer", "universal-seg"),
+    ("yolos", "object-detection"),
+    ("rt_detr", "object-detection"),
+    ("d_fine", "object-detection"),
+    ("clip", "image-cls"),
+    ("siglip", "image-cls"),
+    ("sam_vision_model", "base"),
+    ("swin", "masked-image-modeling"),
+    ("vit_mae", "base"),
+    ("chmv2", "depth"),
     # speech and audio
-    ("wav2vec2", "ctc"), ("wav2vec2-conformer", "ctc"), ("hubert", "ctc"), ("wavlm", "ctc"),
-    ("data2vec-audio", "ctc"), ("unispeech", "ctc"), ("sew-d", "ctc"), ("whisper", "speech-seq2seq"),
-    ("speech_to_text", "speech-seq2seq"), ("univnet", "base"), ("fastspeech2_conformer", "base"),
-    ("vits", "base"), ("wav2vec2-conformer", "pretraining"), ("nemotron3_diarization", "audio-frame-cls"),
+    ("wav2vec2", "ctc"),
+    ("wav2vec2-conformer", "ctc"),
+    ("hubert", "ctc"),
+    ("wavlm", "ctc"),
+    ("data2vec-audio", "ctc"),
+    ("unispeech", "ctc"),
+    ("sew-d", "ctc"),
+    ("whisper", "speech-seq2seq"),
+    ("speech_to_text", "speech-seq2seq"),
+    ("univnet", "base"),
+    ("fastspeech2_conformer", "base"),
+    ("vits", "base"),
+    ("wav2vec2-conformer", "pretraining"),
+    ("nemotron3_diarization", "audio-frame-cls"),
 ]
 
 GENERATIVE = {"causal-lm", "seq2seq-lm", "speech-seq2seq"}
@@ -108,7 +195,7 @@ NOT_YET_IMPLEMENTED: dict[str, str] = {
     "aten::logcumsumexp": "scans",
     # sorting
     "aten::sort": "sorting: a full device sort is one of the later kernels (topk is kept); this is what "
-                  "keeps most mixture-of-experts models off a young backend",
+    "keeps most mixture-of-experts models off a young backend",
     "aten::argsort": "sorting",
     "aten::msort": "sorting",
     "aten::kthvalue": "sorting",
@@ -173,12 +260,17 @@ def core_ops() -> set[str]:
 
 def _schema_key(op: torch._ops.OpOverload) -> tuple:
     """An overload's arguments without its ``out=`` ones: equal for an op and its in-place sibling."""
-    return tuple((a.name, str(a.type)) for a in op._schema.arguments
-                 if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write))
+    return tuple(
+        (a.name, str(a.type))
+        for a in op._schema.arguments
+        if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    )
 
 
 def _is_out_variant(op: torch._ops.OpOverload) -> bool:
-    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    return any(
+        a.kwarg_only and a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments
+    )
 
 
 def inplace_siblings(names: set[str]) -> set[str]:
@@ -254,12 +346,21 @@ def trace_model(model_type: str, task: str) -> tuple[set[str], list[str]]:
             model.eval()
             gen_in = {k: v for k, v in sim_in.items() if not k.startswith("decoder_")}
             gc = model.generation_config
-            if model.config.is_encoder_decoder and gc.decoder_start_token_id is None and gc.bos_token_id is None:
+            if (
+                model.config.is_encoder_decoder
+                and gc.decoder_start_token_id is None
+                and gc.bos_token_id is None
+            ):
                 gen_in["decoder_start_token_id"] = 0
             with torch.no_grad():
                 model.generate(**gen_in, max_new_tokens=3, do_sample=False)
 
-        stages = [("forward", forward), ("train-forward", train_forward), ("backward", backward), ("step", step)]
+        stages = [
+            ("forward", forward),
+            ("train-forward", train_forward),
+            ("backward", backward),
+            ("step", step),
+        ]
         if task in GENERATIVE:
             stages.append(("generate", generate))
         for stage, fn in stages:
@@ -290,7 +391,10 @@ def build(verbose: bool = True) -> tuple[list[str], dict]:
         except Exception as e:  # could not even build it on CPU: say so, do not guess its ops
             ops, probs = set(), [f"build: {type(e).__name__}: {str(e)[:120]}"]
         if verbose:
-            print(f"  traced {model_type:<16} {task:<15} {len(ops):4d} ops" + (f"  ({probs[0]})" if probs else ""))
+            print(
+                f"  traced {model_type:<16} {task:<15} {len(ops):4d} ops"
+                + (f"  ({probs[0]})" if probs else "")
+            )
         traced |= ops
         if probs:
             problems[f"{model_type}/{task}"] = probs
@@ -324,14 +428,16 @@ def render(lines: list[str], facts: dict) -> str:
     head = [
         "# sim op profile 'young': a backend a few months into bring-up.",
         "# GENERATED by scripts/build_op_profile.py -- edit the rules there, not this file.",
-        f"# torch {torch.__version__.split('+')[0]}, transformers {transformers.__version__}; {len(lines)} entries.",
+        f"# torch {torch.__version__.split('+')[0]}, transformers {transformers.__version__}; "
+        f"{len(lines)} entries.",
         "#",
         "# Rules:",
         f"#   1. Core ATen IR: every overload tagged torch.Tag.core ({facts['core']}).",
         f"#   2. + ops {len(MODELS)} tiny transformers models dispatch on sim: inference forward, training",
         f"#      forward+backward, one AdamW step, greedy generate ({facts['traced']} ops, "
         f"{facts['traced_not_core']} not in core).",
-        f"#   3. + the in-place/functional sibling of each (add.Tensor <-> add_.Tensor; no out=) ({facts['siblings']}).",
+        f"#   3. + the in-place/functional sibling of each (add.Tensor <-> add_.Tensor; no out=) "
+        f"({facts['siblings']}).",
         "#   4. + harness.sim.opset.ALWAYS_ALLOWED.",
         "#   5. - the 'not yet implemented' list below (whole packets, backward included).",
         "#",
@@ -342,7 +448,8 @@ def render(lines: list[str], facts: dict) -> str:
     head += [
         "#",
         f"# Removed by rule 5 ({len(facts['removed'])}): " + ", ".join(facts["removed"]),
-        "# Traced models that use a removed op (so fail on 'young'): " + (", ".join(excluded_models) or "none"),
+        "# Traced models that use a removed op (so fail on 'young'): "
+        + (", ".join(excluded_models) or "none"),
         "#",
         "# Entry syntax: aten::name.overload (aten::name.default = default overload only; a bare",
         "# aten::name = every overload).",
@@ -365,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}: {'up to date' if same else 'OUT OF DATE (rerun scripts/build_op_profile.py)'}")
         return 0 if same else 1
     args.out.write_text(text)
-    print(f"wrote {args.out}: {len(lines)} entries (core {facts['core']}, traced {facts['traced']} of which "
-          f"{facts['traced_not_core']} beyond core, {facts['siblings']} in-place/functional siblings)")
+    print(
+        f"wrote {args.out}: {len(lines)} entries (core {facts['core']}, traced {facts['traced']} of which "
+        f"{facts['traced_not_core']} beyond core, {facts['siblings']} in-place/functional siblings)"
+    )
     print(f"excluded by rule 5 ({len(facts['removed'])} entries that rules 1-4 would include):")
     for op in facts["removed"]:
         users = sorted(facts["used_by"].get(op, ()))

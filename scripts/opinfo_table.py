@@ -28,7 +28,9 @@ COLUMNS = ["op", "aten_ops", "passed", "skipped", "failed", "max_abs_err"]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", choices=["default", "highest"], default="default")
-    ap.add_argument("--profile", default="young", help="sim op profile samples must fit (young, full, a file)")
+    ap.add_argument(
+        "--profile", default="young", help="sim op profile samples must fit (young, full, a file)"
+    )
     ap.add_argument("--samples", type=int, default=3, help="samples per op (0 = all)")
     ap.add_argument("--ops", nargs="*", help="only these OpInfo ids (default: all of op_db)")
     ap.add_argument("--out", type=Path, help="write the CSV here")
@@ -53,17 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     exact = args.precision == "highest"
     rows = []
     for op in db:
-        results = conformance.run_op(op, limit=args.samples or None, mode=args.precision, exact=exact,
-                                     profile=args.profile)
+        results = conformance.run_op(
+            op, limit=args.samples or None, mode=args.precision, exact=exact, profile=args.profile
+        )
         s = conformance.summarize(results)
-        rows.append({
-            "op": conformance.opinfo_id(op),
-            "aten_ops": ";".join(s["aten_ops"]),
-            "passed": s["passed"],
-            "skipped": s["skipped"],
-            "failed": s["failed"],
-            "max_abs_err": "" if s["max_abs_err"] is None else f"{s['max_abs_err']:.3g}",
-        })
+        rows.append(
+            {
+                "op": conformance.opinfo_id(op),
+                "aten_ops": ";".join(s["aten_ops"]),
+                "passed": s["passed"],
+                "skipped": s["skipped"],
+                "failed": s["failed"],
+                "max_abs_err": "" if s["max_abs_err"] is None else f"{s['max_abs_err']:.3g}",
+            }
+        )
 
     if not args.quiet:
         print(f"{'op':<44}{'passed':>7}{'skipped':>8}{'failed':>7}  max_abs_err")
@@ -72,10 +77,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['op']:<44}{r['passed']:>7}{r['skipped']:>8}{r['failed']:>7}  {r['max_abs_err']}")
     tested = [r for r in rows if r["passed"] or r["failed"]]
     clean = [r for r in tested if not r["failed"]]
-    print(f"\n{len(rows)} OpInfos, {len(tested)} with samples run on sim ({args.profile} profile, "
-          f"precision {args.precision}): {len(clean)} all within tolerance, {len(tested) - len(clean)} with "
-          f"failures; samples passed {sum(r['passed'] for r in rows)}, failed {sum(r['failed'] for r in rows)}, "
-          f"skipped {sum(r['skipped'] for r in rows)}  ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"\n{len(rows)} OpInfos, {len(tested)} with samples run on sim ({args.profile} profile, "
+        f"precision {args.precision}): {len(clean)} all within tolerance, {len(tested) - len(clean)} with "
+        f"failures; samples passed {sum(r['passed'] for r in rows)}, "
+        f"failed {sum(r['failed'] for r in rows)}, "
+        f"skipped {sum(r['skipped'] for r in rows)}  ({time.perf_counter() - t0:.0f} s)"
+    )
     worst = sorted((r for r in tested if r["failed"]), key=lambda r: -float(r["max_abs_err"] or "inf"))[:10]
     if worst:
         print("largest errors: " + ", ".join(f"{r['op']} {r['max_abs_err']}" for r in worst))

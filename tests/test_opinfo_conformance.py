@@ -43,7 +43,9 @@ def _check(op, limit: int | None) -> None:
     results = conformance.run_op(op, limit=limit, mode="highest", exact=True, profile="young")
     failed = [r for r in results if r.status == "failed"]
     if failed:
-        pytest.fail("; ".join(f"sample {i}: {r.reason}" for i, r in enumerate(results) if r.status == "failed"))
+        pytest.fail(
+            "; ".join(f"sample {i}: {r.reason}" for i, r in enumerate(results) if r.status == "failed")
+        )
     if not any(r.status == "passed" for r in results):
         pytest.skip(sorted({r.reason for r in results})[0] if results else "no samples")
 

@@ -12,8 +12,12 @@ import harness.sim as sim
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Dropout(0.0),
-        torch.nn.Linear(16, 4), torch.nn.LogSoftmax(-1),
+        torch.nn.Linear(8, 16),
+        torch.nn.LayerNorm(16),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.0),
+        torch.nn.Linear(16, 4),
+        torch.nn.LogSoftmax(-1),
     )
 
 
@@ -41,9 +45,14 @@ def test_input_gradient():
     torch.testing.assert_close(xs.grad.cpu(), x.cos() * x + x.sin(), rtol=0, atol=0)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "torch's Python-registered PrivateUse1 DeviceGuard hard-codes deviceCount() == 1 "
-    "(torch/csrc/acc/Module.cpp), so the autograd engine has a ready queue for sim:0 only"))
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason=(
+        "torch's Python-registered PrivateUse1 DeviceGuard hard-codes deviceCount() == 1 "
+        "(torch/csrc/acc/Module.cpp), so the autograd engine has a ready queue for sim:0 only"
+    ),
+)
 def test_backward_on_second_device():
     xs = torch.ones(3, device="sim:1", requires_grad=True)
     (xs * 2).sum().backward()
@@ -58,8 +67,9 @@ def test_attention_with_a_mask_that_needs_grad():
     bias_s = bias.detach().to("sim").requires_grad_()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     with sim.precision("highest"):
-        out = torch.nn.functional.scaled_dot_product_attention(q.to("sim"), k.to("sim"), v.to("sim"),
-                                                               attn_mask=bias_s)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.to("sim"), k.to("sim"), v.to("sim"), attn_mask=bias_s
+        )
         out.sum().backward()
     ref.sum().backward()
     torch.testing.assert_close(out.detach().cpu(), ref.detach(), rtol=0, atol=0)
@@ -151,7 +161,10 @@ def test_an_op_failing_inside_backward_raises_instead_of_aborting(tmp_path):
         y = x.sigmoid().sum()
     forward_only = tmp_path / "forward_only.txt"
     forward_only.write_text("aten::ones_like\naten::expand\naten::fill_\naten::empty_like\n")
-    with sim.op_profile(str(forward_only)), pytest.raises(NotImplementedError, match="aten::sigmoid_backward"):
+    with (
+        sim.op_profile(str(forward_only)),
+        pytest.raises(NotImplementedError, match="aten::sigmoid_backward"),
+    ):
         y.backward()
     with sim.op_profile("full"):
         z = (x * 3).sin().sum()
@@ -159,3 +172,44 @@ def test_an_op_failing_inside_backward_raises_instead_of_aborting(tmp_path):
             with pytest.raises(sim.SimDeviceError):
                 z.backward()
         assert (x * 1).isfinite().all()  # the error was reported once; the device works again
+
+
+def _decomposed(fn):
+    # Tracing turns the linear/matmul inference fast paths off (traces must show the real ops).
+    from harness.sim import tensor as sim_tensor
+
+    sim_tensor.start_trace()
+    try:
+        return fn()
+    finally:
+        ops = sim_tensor.stop_trace()
+        assert "aten::linear" not in ops  # the composite never reaches the backend
+
+
+def test_inference_fast_paths_match_the_decomposition_bit_for_bit():
+    # A non-contiguous batch times a parameter: the CPU folds this matmul into one mm only because
+    # the parameter requires grad (else it runs bmm, which rounds differently), so the fast path
+    # must hand the host the sim tensors' requires_grad flags.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(2, 24, 64).transpose(0, 1)
+    w_s = torch.nn.Parameter(w.detach().to("sim"))
+    x_s = x.to("sim")
+    assert x_s.stride() == x.stride()
+    lin = torch.nn.Linear(64, 32)
+    lin_s = torch.nn.Linear(64, 32).to("sim")
+    lin_s.load_state_dict(lin.state_dict())
+    with torch.no_grad():
+        want = torch.matmul(x, w)
+        torch.matmul(x_s, w_s), lin_s(x_s)  # the first call per operand layout learns the decomposition
+        for mode in ("highest", "default"):
+            with sim.precision(mode):
+                fast = torch.matmul(x_s, w_s).cpu()
+                slow = _decomposed(lambda: torch.matmul(x_s, w_s).cpu())
+                fast_lin = lin_s(x_s).cpu()
+                slow_lin = _decomposed(lambda: lin_s(x_s).cpu())
+            torch.testing.assert_close(fast, slow, rtol=0, atol=0, msg=mode)
+            torch.testing.assert_close(fast_lin, slow_lin, rtol=0, atol=0, msg=mode)
+            if mode == "highest":
+                torch.testing.assert_close(fast, want, rtol=0, atol=0)
+                torch.testing.assert_close(fast_lin, lin(x), rtol=0, atol=0)

@@ -15,11 +15,14 @@ import torch
 import harness.sim as sim
 
 
-def _python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def _python(
+    code: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PORTHARNESS_SIM_", "TORCH_DEVICE"))}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # --- registration --------------------------------------------------------------------------------
@@ -101,7 +104,9 @@ def test_device_count_env_var():
 
 def test_autoload_entry_point():
     # No harness import: the torch.backends entry point registers sim inside `import torch`.
-    code = "import torch\nprint(torch.ones(1, device='sim').device, torch._C._get_privateuse1_backend_name())\n"
+    code = (
+        "import torch\nprint(torch.ones(1, device='sim').device, torch._C._get_privateuse1_backend_name())\n"
+    )
     r = _python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["sim:0", "sim"]

@@ -75,8 +75,15 @@ def test_crash_kills_the_process_with_sigsegv():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_SIM_")}
     env["PORTHARNESS_SIM_FAULTS"] = "sim:0=crash:1.0"
     r = subprocess.run(
-        [sys.executable, "-c", "import torch, harness.sim\nx = torch.ones(2, device='sim') + 1\nprint('alive')"],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import torch, harness.sim\nx = torch.ones(2, device='sim') + 1\nprint('alive')",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == -signal.SIGSEGV
     assert "alive" not in r.stdout

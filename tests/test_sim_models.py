@@ -13,10 +13,23 @@ import harness.sim as sim
 transformers = pytest.importorskip("transformers")
 
 SMALL = {
-    "bert": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 vocab_size=256, max_position_embeddings=64),
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=64),
+    "bert": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+    ),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64),
 }
 HEADS = {"bert": "AutoModelForMaskedLM", "llama": "AutoModelForCausalLM", "gpt2": "AutoModelForCausalLM"}
@@ -25,7 +38,9 @@ HEADS = {"bert": "AutoModelForMaskedLM", "llama": "AutoModelForCausalLM", "gpt2"
 @pytest.fixture(scope="module", params=sorted(SMALL))
 def pair(request):
     name = request.param
-    cfg = transformers.AutoConfig.for_model(name, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SMALL[name])
+    cfg = transformers.AutoConfig.for_model(
+        name, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SMALL[name]
+    )
     torch.manual_seed(0)
     cpu = getattr(transformers, HEADS[name]).from_config(cfg, attn_implementation="sdpa").eval()
     dev = copy.deepcopy(cpu).to("sim")

@@ -14,7 +14,9 @@ import torch
 import harness.sim as sim
 from harness.sim import opset
 
-precision = importlib.import_module("harness.sim.precision")  # the package re-exports a `precision()` function
+precision = importlib.import_module(
+    "harness.sim.precision"
+)  # the package re-exports a `precision()` function
 
 UNSUPPORTED = r"^Could not run 'aten::roll' with arguments from the 'sim' backend\. This could be because"
 
@@ -22,7 +24,9 @@ UNSUPPORTED = r"^Could not run 'aten::roll' with arguments from the 'sim' backen
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_SIM_")}
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _mm_operands() -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,8 +189,16 @@ def test_young_profile_is_generated_and_sized_like_a_young_backend():
 
 def test_missing_host_kernel_reads_like_a_missing_sim_kernel():
     cell = torch.nn.LSTMCell(4, 4).to("sim")  # off-CPU, torch picks a fused kernel the CPU lacks
-    with sim.op_profile("full"), pytest.raises(NotImplementedError, match=(
-            r"Could not run 'aten::_thnn_fused_lstm_cell' with arguments from the 'sim' backend.*host \(CPU\)")):
+    with (
+        sim.op_profile("full"),
+        pytest.raises(
+            NotImplementedError,
+            match=(
+                r"Could not run 'aten::_thnn_fused_lstm_cell' with arguments from the 'sim' backend"
+                r".*host \(CPU\)"
+            ),
+        ),
+    ):
         cell(torch.randn(2, 4, device="sim"))
 
 
@@ -224,8 +236,15 @@ def test_flex_attention_on_sim_tensors_fails_naming_it():
 def test_transformers_flex_attention_model_fails_naming_it():
     from transformers import AutoConfig, AutoModel
 
-    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
     model = AutoModel.from_config(cfg, attn_implementation="flex_attention").to("sim")
     with pytest.raises(Exception, match="FlexAttention .*is not supported on the sim backend") as info:
         model(torch.randint(0, 64, (1, 8)).to("sim"))

@@ -36,7 +36,7 @@ EXCLUDED: dict[str, str] = {
     "empty_permuted": "returns uninitialized memory",
     "new_empty": "returns uninitialized memory",
     "new_empty_strided": "returns uninitialized memory",
-    "nn.functional.dropout": "draws a fresh mask per call through native_dropout (nondeterministic by design)",
+    "nn.functional.dropout": "draws a fresh mask per call through native_dropout (nondeterministic)",
 }
 
 FP32_RTOL = 1.3e-6  # torch.testing.assert_close's defaults for float32
@@ -95,8 +95,10 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     if not (a.is_floating_point() or a.is_complex()):
         return float((a.long() != b.long()).any()) if a.dtype != torch.bool else float((a != b).any())
-    d = (a.to(torch.complex128 if a.is_complex() else torch.float64)
-         - b.to(torch.complex128 if b.is_complex() else torch.float64)).abs()
+    d = (
+        a.to(torch.complex128 if a.is_complex() else torch.float64)
+        - b.to(torch.complex128 if b.is_complex() else torch.float64)
+    ).abs()
     same_nan = a.isnan() & b.isnan() if not a.is_complex() else a.isnan().any() & b.isnan().any()
     d = torch.where(same_nan, torch.zeros_like(d), d).nan_to_num(nan=math.inf)
     return float(d.max())
@@ -128,8 +130,7 @@ def compare(got, want, *, rtol: float, atol: float) -> tuple[bool, str, float]:
     return True, "", worst
 
 
-def run_sample(op, sample, *, mode: str, profile: str = "young", exact: bool,
-               seed: int = 0) -> SampleResult:
+def run_sample(op, sample, *, mode: str, profile: str = "young", exact: bool, seed: int = 0) -> SampleResult:
     """Run one OpInfo sample on CPU and sim at precision `mode` and compare."""
     young = _opset.resolve(profile)
     try:
@@ -159,7 +160,9 @@ def run_sample(op, sample, *, mode: str, profile: str = "young", exact: bool,
     if missing:
         return SampleResult("skipped", f"needs {', '.join(missing)} (not in '{profile}')", aten_ops=names)
     if error is not None:
-        return SampleResult("failed", f"sim raised {type(error).__name__}: {str(error)[:160]}", aten_ops=names)
+        return SampleResult(
+            "failed", f"sim raised {type(error).__name__}: {str(error)[:160]}", aten_ops=names
+        )
     if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in pytree.tree_leaves(want)):
         return SampleResult("skipped", "sparse layouts are not simulated", aten_ops=names)
     tol = (0.0, 0.0) if exact else (FP32_RTOL, FP32_ATOL)

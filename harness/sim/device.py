@@ -5,10 +5,11 @@ RNG hooks used by `torch.manual_seed`, AMP dtypes). Simulated devices are indepe
 own current-device slot and its own RNG, so seeding `sim:1` never perturbs `sim:0`.
 
 Like most young backends, sim has no torch.compile (Inductor) code generator. Inductor looks for one
-in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `WrapperFxCodegen`); without them it dies on
-an internal AssertionError, so these stand-ins raise a clear `NotImplementedError` instead. That is
-also how FlexAttention fails when it reaches sim through compilation (transformers'
-``attn_implementation="flex_attention"`` compiles `create_block_mask`): the message names it.
+in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `WrapperFxCodegen`);
+without them it dies on an internal AssertionError, so these stand-ins raise a clear
+`NotImplementedError` instead. That is also how FlexAttention fails when it reaches sim through
+compilation (transformers' ``attn_implementation="flex_attention"`` compiles `create_block_mask`):
+the message names it.
 """
 
 from __future__ import annotations

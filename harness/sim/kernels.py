@@ -7,6 +7,15 @@ Everything after that goes through `SimTensor.__torch_dispatch__`.
 Host implementations (`register_host_impl`) replace a CPU kernel where the CPU lacks something an
 accelerator has: integer `histc`, which MoE routing in transformers uses on every non-CPU device.
 
+`linear` and `matmul` have inference fast paths: PyTorch decomposes them (CompositeImplicit) into
+2-6 ops before a backend sees them (t/addmm, view/mm/_unsafe_view, expand/bmm...), which makes them
+half of all sim dispatches in a transformer. Without autograd, tracing or faults in play, and with
+every op of the decomposition in the profile (learned by running the decomposition once per
+operand layout), sim runs the whole composite once on the host tensors. The CPU decomposes it the
+same way, so results are bit-identical (at ``default`` the multiplier operands are bf16-rounded
+first, which commutes with the views). Otherwise the composite is decomposed exactly as before, so
+errors, traces and fault draws do not change.
+
 Scaled dot-product attention is special: it is a composite op whose backend choice (fused flash
 kernel vs the unfused math path) is made in C++ from the device type, and for an unknown
 PrivateUse1 device that choice is always "math". A CPU-emulating backend that took that path would
@@ -23,6 +32,9 @@ import torch
 from .tensor import SimTensor, register_host_impl, to_sim
 
 _device = importlib.import_module(".device", __package__)
+_faults = importlib.import_module(".faults", __package__)
+_opset = importlib.import_module(".opset", __package__)
+_tensor = importlib.import_module(".tensor", __package__)
 _precision = importlib.import_module(".precision", __package__)
 
 aten = torch.ops.aten
@@ -70,16 +82,74 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     # The selector reads requires_grad (a mask that needs grad rules out the fused kernel), which the
     # inner host tensors never carry, so hand it aliases flagged like the sim tensors.
     choice = torch._fused_sdp_choice(
-        _host_alias(query), _host_alias(key), _host_alias(value), _host_alias(attn_mask), dropout_p, is_causal,
-        scale=scale, enable_gqa=enable_gqa,
+        _host_alias(query), _host_alias(key), _host_alias(value), _host_alias(attn_mask), dropout_p,
+        is_causal, scale=scale, enable_gqa=enable_gqa,
     )
     if choice == _FLASH:
-        return aten._scaled_dot_product_flash_attention_for_cpu(
+        return aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
         )[0]
-    return aten._scaled_dot_product_attention_math(
+    return aten._scaled_dot_product_attention_math.default(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
+
+
+def _layout_key(x: torch.Tensor) -> tuple:
+    """What the CPU's linear/matmul decomposition branches on for one operand."""
+    shape, strides = x.shape, x.stride()
+    foldable = all(strides[i] == strides[i + 1] * shape[i + 1] for i in range(x.dim() - 2))
+    return (x.dim(), x.is_contiguous(), foldable, x.numel() == 0, x.requires_grad)
+
+
+def _fast_composite(op: torch._ops.OpOverload, host: object):
+    """A kernel for `op` at AutogradPrivateUse1 that runs `host` on the inner tensors when it may.
+
+    The first call for an operand layout runs the real decomposition and records the ops it
+    dispatched; later calls take the fast path only if the current profile allows all of them."""
+    reduce = _precision.reduce_operands
+    parts: dict[tuple, frozenset] = {}
+
+    def decompose(key, args):
+        outer = _tensor._trace
+        _tensor._trace = set()
+        try:
+            out = op.decompose(*args)
+            if key is not None:
+                parts[key] = frozenset(_tensor._trace)
+            return out
+        finally:
+            seen, _tensor._trace = _tensor._trace, outer
+            if outer is not None:
+                outer |= seen
+
+    def kernel(*args):
+        tensors = [x for x in args if x is not None]
+        if (
+            _tensor._trace is not None
+            or _faults._active
+            or (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+            or any(type(x) is not SimTensor for x in tensors)
+            or len({x._idx for x in tensors}) != 1
+        ):
+            return op.decompose(*args)
+        key = tuple(_layout_key(x) for x in tensors) + (len(args),)
+        needed = parts.get(key)
+        profile = _opset._profile
+        if needed is None:
+            return decompose(key, args)
+        if not all(profile.allows(f) for f in needed):
+            return op.decompose(*args)  # raises the error the backend would
+        inner = [None if x is None else x._inner for x in args]
+        if _precision._mode != "highest":
+            reduce(inner, (0, 1), args)
+        # The CPU's decomposition reads requires_grad (matmul folds to mm when the weight needs grad),
+        # so the host tensors carry the sim tensors' flags; grad mode is off or nothing needs grad.
+        for i, x in enumerate(args):
+            if x is not None and x.requires_grad:
+                inner[i] = inner[i].detach().requires_grad_()
+        return to_sim(host(*inner), tensors[0]._idx)
+
+    return kernel
 
 
 def register() -> None:
@@ -88,6 +158,8 @@ def register() -> None:
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     # Registered at the autograd key so the kernels it calls record their own backward formulas.
     _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    _lib.impl("linear", _fast_composite(aten.linear.default, torch._C._nn.linear), "AutogradPrivateUse1")
+    _lib.impl("matmul", _fast_composite(aten.matmul.default, torch.matmul), "AutogradPrivateUse1")
 
 
 def _histc(self, bins=100, min=0, max=0):

@@ -82,6 +82,8 @@ class OpProfile:
                 )
             self.ops = read_profile(path) | ALWAYS_ALLOWED
         self._cache: dict[torch._ops.OpOverload, bool] = {}
+        # id(OpOverload) -> the dispatcher's per-op facts under this profile (filled by harness.sim.tensor)
+        self._facts: dict[int, object] = {}
 
     def allows(self, func: torch._ops.OpOverload) -> bool:
         hit = self._cache.get(func)
@@ -120,6 +122,10 @@ def resolve(name: str) -> OpProfile:
     return prof
 
 
+def resolved_profiles() -> list[OpProfile]:
+    return list(_resolved.values())
+
+
 _profile = resolve(os.environ.get(OPS_ENV, "young"))
 
 
@@ -143,13 +149,15 @@ def op_profile(name: str) -> Iterator[None]:
         _profile = prev
 
 
-def unsupported_error(func: torch._ops.OpOverload, *, missing_host_kernel: bool = False) -> NotImplementedError:
+def unsupported_error(
+    func: torch._ops.OpOverload, *, missing_host_kernel: bool = False
+) -> NotImplementedError:
     """The error a PrivateUse1 backend without a kernel for `func` raises, naming why sim has none."""
     name = op_name(func)
     if missing_host_kernel:
-        why = f"sim runs ops on host (CPU) kernels, and the CPU has no kernel for '{name}' with these arguments."
+        why = f"sim runs ops on host (CPU) kernels, and the CPU has no kernel for '{name}' with these args."
     else:
-        why = f"'{name}' is not in the sim op profile '{_profile.name}' (set {OPS_ENV}=full to allow every op)."
+        why = f"'{name}' is not in the sim op profile '{_profile.name}' (set {OPS_ENV}=full to allow all)."
     return NotImplementedError(
         f"Could not run '{name}' with arguments from the 'sim' backend. This could be because the "
         f"operator doesn't exist for this backend, or was omitted during the selective/custom build "

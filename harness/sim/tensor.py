@@ -147,7 +147,9 @@ def _new(inner: torch.Tensor, idx: int) -> SimTensor:
             dtype=inner.dtype, device=_SIM_DEVICES[idx],
         )
     else:
-        r = _make_wrapper(SimTensor, inner.size(), dtype=inner.dtype, layout=inner.layout, device=_SIM_DEVICES[idx])
+        r = _make_wrapper(
+            SimTensor, inner.size(), dtype=inner.dtype, layout=inner.layout, device=_SIM_DEVICES[idx]
+        )
     r._inner = inner
     r._idx = idx
     return r
@@ -160,9 +162,10 @@ def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
 class _Facts:
     """What `_dispatch` needs to know about one OpOverload, read from its schema once."""
 
-    __slots__ = ("call", "written", "written_kw", "aliases", "generator", "reduced", "cross_ok")
+    __slots__ = ("call", "written", "written_kw", "aliases", "generator", "reduced", "cross_ok", "allowed")
 
-    def __init__(self, func: torch._ops.OpOverload) -> None:
+    def __init__(self, func: torch._ops.OpOverload, allowed: bool) -> None:
+        self.allowed = allowed
         schema = func._schema
         host = _HOST_IMPLS.get(func)
         self.call = host if host is not None else func._op
@@ -190,13 +193,19 @@ class _Facts:
         self.cross_ok = func in _CROSS_DEVICE_OK
 
 
-_FACTS: dict[torch._ops.OpOverload, _Facts] = {}
+def _facts_for(func: torch._ops.OpOverload) -> _Facts:
+    """Facts for `func` under the current profile, cached on the profile (keyed by the op's id:
+    OpOverloads live as long as the process, and an int key skips OpOverload.__hash__)."""
+    profile = _opset._profile
+    facts = profile._facts[id(func)] = _Facts(func, profile.allows(func))
+    return facts
 
 
 def register_host_impl(func: torch._ops.OpOverload, impl: Callable) -> None:
     """Run `impl` (on host tensors) instead of `func`'s CPU kernel whenever `func` runs on sim."""
     _HOST_IMPLS[func] = impl
-    _FACTS.pop(func, None)
+    for profile in _opset.resolved_profiles():
+        profile._facts.pop(id(func), None)
 
 
 _trace: set | None = None
@@ -333,8 +342,8 @@ def _defer(error: BaseException, func, args: tuple, kwargs: dict | None):
     global _deferred
     if _deferred is None:
         if hasattr(error, "add_note"):
-            error.add_note(f"(raised by '{_opset.op_name(func)}' during backward on the autograd device thread; "
-                           "reported at the next sim call)")
+            error.add_note(f"(raised by '{_opset.op_name(func)}' during backward on the autograd device "
+                           "thread; reported at the next sim call)")
         _deferred = error
 
     def meta(x):
@@ -376,15 +385,12 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
     try:
         if _trace is not None:
             _trace.add(func)
-        profile = _opset._profile
-        allowed = profile._cache.get(func)
-        if allowed is None:
-            allowed = profile.allows(func)
-        if not allowed:
-            raise _opset.unsupported_error(func)
-        facts = _FACTS.get(func)
+        # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
+        facts = _opset._profile._facts.get(id(func))
         if facts is None:
-            facts = _FACTS[func] = _Facts(func)
+            facts = _facts_for(func)
+        if not facts.allowed:
+            raise _opset.unsupported_error(func)
 
         # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
         idx = -1
@@ -400,7 +406,8 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
                     elif not facts.cross_ok:
                         raise _mixed(func, f"sim:{idx}", f"sim:{j}")
                 a.append(x._inner)
-            elif t is int or t is float or t is bool or x is None or ((t is list or t is tuple) and (not x or type(x[0]) is int)):
+            elif (t is int or t is float or t is bool or x is None
+                  or ((t is list or t is tuple) and (not x or type(x[0]) is int))):
                 a.append(x)
             else:
                 if seen is None:
@@ -466,7 +473,14 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
         if written:
             return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
         if type(out) is _Tensor:
-            result = _new(out, idx)
+            if out.layout is _STRIDED:  # _new, inlined
+                result = _make_wrapper(SimTensor, out.size(), strides=out.stride(),
+                                       storage_offset=out.storage_offset(), dtype=out.dtype,
+                                       device=_SIM_DEVICES[idx])
+                result._inner = out
+                result._idx = idx
+            else:
+                result = _new(out, idx)
             if _faults._active and not facts.aliases:
                 _faults.on_launch(idx, [out])
             return result
