@@ -163,6 +163,10 @@ def run_sample(op, sample, *, mode: str, profile: str = "young", exact: bool, se
         return SampleResult(
             "failed", f"sim raised {type(error).__name__}: {str(error)[:160]}", aten_ops=names
         )
+    on_sim = [t for t in pytree.tree_leaves((sample.input, sample.args, sample.kwargs))
+              if isinstance(t, torch.Tensor) and t.device.type == "sim"]
+    if not on_sim and not str(sample.kwargs.get("device", "")).startswith("sim"):
+        return SampleResult("skipped", "sample creates its tensors on another device, not on sim", aten_ops=names)
     if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in pytree.tree_leaves(want)):
         return SampleResult("skipped", "sparse layouts are not simulated", aten_ops=names)
     tol = (0.0, 0.0) if exact else (FP32_RTOL, FP32_ATOL)

@@ -25,6 +25,7 @@ numerics, so sim makes the same choice the CPU would (asking the CPU selector) a
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -108,12 +109,15 @@ def _fast_composite(op: torch._ops.OpOverload, host: object):
     dispatched; later calls take the fast path only if the current profile allows all of them."""
     reduce = _precision.reduce_operands
     parts: dict[tuple, frozenset] = {}
+    # The C++ CompositeImplicitAutograd kernel, exactly what runs without this registration
+    # (`op.decompose` would prefer a Python decomposition where one exists, as for matmul).
+    composite = functools.partial(op._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
 
     def decompose(key, args):
         outer = _tensor._trace
         _tensor._trace = set()
         try:
-            out = op.decompose(*args)
+            out = composite(*args)
             if key is not None:
                 parts[key] = frozenset(_tensor._trace)
             return out
@@ -131,14 +135,14 @@ def _fast_composite(op: torch._ops.OpOverload, host: object):
             or any(type(x) is not SimTensor for x in tensors)
             or len({x._idx for x in tensors}) != 1
         ):
-            return op.decompose(*args)
+            return composite(*args)
         key = tuple(_layout_key(x) for x in tensors) + (len(args),)
         needed = parts.get(key)
         profile = _opset._profile
         if needed is None:
             return decompose(key, args)
         if not all(profile.allows(f) for f in needed):
-            return op.decompose(*args)  # raises the error the backend would
+            return composite(*args)  # raises the error the backend would
         inner = [None if x is None else x._inner for x in args]
         if _precision._mode != "highest":
             reduce(inner, (0, 1), args)
