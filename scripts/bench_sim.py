@@ -8,7 +8,9 @@ wall-clock assertions flake on shared machines.
 Each model is built once (seeded), copied to sim, and timed in one process: warm-up, then
 ``--repeats`` rounds that each time CPU, sim@default and sim@highest back to back (interleaved, so
 background load hits all three alike). Reported: median per model (and min, less sensitive to
-noise), the sim/CPU ratio of medians, and the median of those ratios over the models.
+noise), the sim/CPU ratio of medians, and the median of those ratios over the models. ``ops`` is
+the number of Python dispatches one sim forward makes (linear/matmul fast paths run without one);
+``us/op`` is (sim@highest - CPU) / ops, an upper bound on the cost of one dispatch.
 
     python scripts/bench_sim.py                  # all models, 30 repeats
     python scripts/bench_sim.py --models bert gpt2 --repeats 100 --profile prof.out
