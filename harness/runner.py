@@ -36,6 +36,7 @@ from .record import ResultRow, ResultStore, RunInfo
 from .worker import Task, task_dict, worker_main
 
 RETRYABLE = frozenset({"crash", "timeout"})
+POOL_START_GRACE_S = 60.0
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 
 
@@ -267,6 +268,8 @@ class _Supervisor:
         self.ctx = _worker_context()
         self.workers: list[_Worker] = []
         self.startup_failures = 0
+        self.pool_ready = False
+        self.t_start = time.monotonic()
         self.progress = _Progress(len(self.queue), config.progress)
 
     # -- workers -----------------------------------------------------------------------------
@@ -408,6 +411,13 @@ class _Supervisor:
     # -- main loop ---------------------------------------------------------------------------
 
     def _assign(self) -> None:
+        if not self.pool_ready:
+            # Hand out work only once the initial pool is up (or after a grace period), so the first
+            # worker to finish importing doesn't drain a short list before the others can take part.
+            if all(w.ready for w in self.workers) or time.monotonic() - self.t_start > POOL_START_GRACE_S:
+                self.pool_ready = True
+            else:
+                return
         for w in self.workers:
             if not w.ready or w.job is not None or not self.queue or w.device not in self.active:
                 continue
