@@ -121,15 +121,17 @@ def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path) -> None:
 
 
 def test_kill_9_then_resume_loses_nothing(tmp_path: Path) -> None:
-    lst = write_list(tmp_path / "l.csv", FAST[:14])
+    # A hanging model guarantees the run is still going when it is killed; on resume it times out.
+    hang = pathological_models.list_rows({"patho/hang": pathological_models.build(tmp_path / "models", "hang")})
+    lst = write_list(tmp_path / "l.csv", FAST[:13], hang)
     db = tmp_path / "r.db"
     args = [sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--jobs", "2",
-            "--precision", "highest", "--ops", "full", "--quiet"]
+            "--precision", "highest", "--ops", "full", "--quiet", "--timeout", "20", "--retries", "0"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     done = 0
     while time.time() < deadline and done < 4:
-        time.sleep(0.5)
+        time.sleep(0.2)
         if db.exists():
             try:
                 with sqlite3.connect(db, timeout=5) as c:
