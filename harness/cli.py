@@ -60,7 +60,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _config(args: argparse.Namespace, **overrides: Any):
-    from harness.runner import RunConfig
+    from harness.run.runner import RunConfig
 
     if args.fault:
         from harness.sim.faults import parse_fault_spec
@@ -134,8 +134,8 @@ def _verdict_table(row: dict[str, Any]) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from harness.model_list import find_entry
-    from harness.runner import run_models
+    from harness.models.model_list import find_entry
+    from harness.run.runner import run_models
 
     config = _config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
     entry = find_entry(args.model)
@@ -148,7 +148,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         db = os.path.join(tmp.name, "check.db")
     try:
         summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
-        from harness.record import ResultStore
+        from harness.results.store import ResultStore
 
         with ResultStore(db) as store:
             df = store.results(summary.run_id)
@@ -176,8 +176,8 @@ def _isnan(v: Any) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.model_list import load_model_list
-    from harness.runner import run_models, shard
+    from harness.models.model_list import load_model_list
+    from harness.run.runner import run_models, shard
 
     entries = load_model_list(args.list)
     if args.only:
@@ -214,7 +214,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if args.report:
-        from harness.report import build_report
+        from harness.report.build import build_report
 
         path = build_report(args.db, args.report, run_id=summary.run_id)
         print(f"report: {path}")
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
     p.add_argument("--out", default=None, help="export the matrix (.csv, .json, .parquet)")
-    p.set_defaults(func=_delegate("harness.matrix", "main_matrix"))
+    p.set_defaults(func=_delegate("harness.analysis.matrix", "main_matrix"))
 
     p = sub.add_parser("diff", help="compare two runs; exit 1 on regressions (CI gate)")
     p.add_argument("--db", default=DEFAULT_DB)
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-factor", type=float, default=None, help="rmse-ratio growth counted as regression")
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_delegate("harness.diff", "main_diff"))
+    p.set_defaults(func=_delegate("harness.analysis.diff", "main_diff"))
 
     p = sub.add_parser("report", help="build the static HTML report")
     p.add_argument("--db", default=DEFAULT_DB)
@@ -293,12 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="base run for the diff page")
     p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (scripts/opinfo_table.py)")
-    p.set_defaults(func=_delegate("harness.report", "main_report"))
+    p.set_defaults(func=_delegate("harness.report.build", "main_report"))
 
     p = sub.add_parser("merge", help="merge shard DBs into one")
     p.add_argument("--out", required=True)
     p.add_argument("dbs", nargs="+")
-    p.set_defaults(func=_delegate("harness.record", "main_merge"))
+    p.set_defaults(func=_delegate("harness.results.store", "main_merge"))
 
     p = sub.add_parser("collectives", help="benchmark collective settings on the target")
     p.add_argument("--target", default="sim")
@@ -310,11 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP training-step benchmark")
     p.add_argument("--db", default=None, help="record rows in this result DB")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_delegate("harness.collectives", "main_collectives"))
+    p.set_defaults(func=_delegate("harness.bench.collectives", "main_collectives"))
 
     p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
-    p.add_argument("zoo_args", nargs=argparse.REMAINDER, help="arguments for python -m harness.zoo")
-    p.set_defaults(func=lambda a: __import__("harness.zoo", fromlist=["main"]).main(a.zoo_args))
+    p.add_argument("zoo_args", nargs=argparse.REMAINDER, help="arguments for python -m harness.models.zoo")
+    p.set_defaults(func=lambda a: __import__("harness.models.zoo", fromlist=["main"]).main(a.zoo_args))
     return ap
 
 
@@ -322,13 +322,13 @@ def _is_input_error(e: Exception) -> bool:
     """Bad input the user can fix (list, id, DB, settings, hub): a message, not a traceback.
 
     Imported only once something failed: subcommands like `report` or `diff` shouldn't pay for
-    importing torch (via harness.load) at start-up."""
-    from harness.model_list import ModelListError, UnknownModelError
-    from harness.record import StoreError
+    importing torch (via harness.models.load) at start-up."""
+    from harness.models.model_list import ModelListError, UnknownModelError
+    from harness.results.store import StoreError
 
     if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError):
         return True
-    load = sys.modules.get("harness.load")
+    load = sys.modules.get("harness.models.load")
     return load is not None and isinstance(e, load.LoadError)
 
 

@@ -21,7 +21,7 @@ AUDIO_SAMPLES = 8000
 def shrunk_config(model_type: str) -> Any:
     """A tiny config for `model_type`: ``harness.zoo.shrink_config`` if present, else a few fixed sizes."""
     try:
-        from harness.zoo import shrink_config
+        from harness.models.zoo import shrink_config
     except ImportError:
         shrink_config = None
     if shrink_config is not None:
@@ -74,7 +74,7 @@ _AUTO = {
 def auto_class(task: str) -> Any:
     """The Auto class for a head name (``harness.zoo.auto_class`` when that module exists)."""
     try:
-        from harness.zoo import auto_class as zoo_auto_class
+        from harness.models.zoo import auto_class as zoo_auto_class
     except ImportError:
         import transformers
 

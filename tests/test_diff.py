@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.diff import diff_runs, format_summary, load_allowlist, main_diff
-from harness.record import ResultRow, ResultStore, RunInfo
+from harness.analysis.diff import diff_runs, format_summary, load_allowlist, main_diff
+from harness.results.store import ResultRow, ResultStore, RunInfo
 
 S = {"ops": "young"}
 
@@ -180,7 +180,7 @@ _FAKE_CLI = """
 import sys
 args = sys.argv[1:]
 if args and args[0] == "run":
-    from harness.record import ResultRow, ResultStore, RunInfo
+    from harness.results.store import ResultRow, ResultStore, RunInfo
     opt = dict(zip(args[1::2], args[2::2]))
     i, n = (int(x) for x in opt["--shard"].split("/"))
     broken = sys.argv[0].endswith("broken.py")

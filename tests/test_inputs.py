@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from harness.inputs import default_recipe, make_inputs, needs_exact, output_tensors, vocab_size
-from harness.load import build_tiny
-from harness.model_list import ModelEntry
+from harness.models.inputs import default_recipe, make_inputs, needs_exact, output_tensors, vocab_size
+from harness.models.load import build_tiny
+from harness.models.model_list import ModelEntry
 
 _CACHE: dict[tuple[str, str], torch.nn.Module] = {}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.matrix import (
+from harness.analysis.matrix import (
     export,
     main_matrix,
     matrix,
@@ -20,7 +20,7 @@ from harness.matrix import (
     settings_label,
     split_ops,
 )
-from harness.record import ResultRow, ResultStore, RunInfo
+from harness.results.store import ResultRow, ResultStore, RunInfo
 
 YOUNG = {"precision": "default", "ops": "young"}
 MATURE = {"precision": "default", "ops": "mature"}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.model_list import (
+from harness.models.model_list import (
     COLUMNS,
     ModelEntry,
     ModelListError,

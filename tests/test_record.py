@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.record import (
+from harness.results.store import (
     OUTCOMES,
     CollectiveRow,
     ResultRow,
@@ -166,7 +166,7 @@ def test_empty_file_gets_schema(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import sys
-    from harness.record import ResultStore, ResultRow, RunInfo
+    from harness.results.store import ResultStore, ResultRow, RunInfo
     st = ResultStore(sys.argv[1])
     rid = st.begin_run(RunInfo("smoke", "sim", {"ops": "young"}, run_id=sys.argv[2]))
     i = 0
@@ -300,7 +300,7 @@ def test_read_only_db_is_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     db = tmp_path / "ro.db"
     rid = _make_shard(db, "1/1", ["m1", "m2"])
     before = _digest(db)
-    monkeypatch.setattr("harness.record.os.access", lambda *a, **k: False)  # root ignores chmod
+    monkeypatch.setattr("harness.results.store.os.access", lambda *a, **k: False)  # root ignores chmod
     with ResultStore(db, create=False) as st:
         assert st.read_only and st.finished_ids(rid) == {"m1", "m2"}
         with pytest.raises(StoreError, match="read-only"):

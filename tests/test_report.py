@@ -12,8 +12,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.record import CollectiveRow, ResultRow, ResultStore, RunInfo
-from harness.report import build_report, main_report, safe_name, svg_bars, svg_histogram, write_synthetic_db
+from harness.report.build import (
+    build_report,
+    main_report,
+    safe_name,
+    svg_bars,
+    svg_histogram,
+    write_synthetic_db,
+)
+from harness.results.store import CollectiveRow, ResultRow, ResultStore, RunInfo
 
 S = {"ops": "young"}
 EVIL = "<script>alert('pwned')</script><img src=x onerror=alert(2)>"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.record import ResultStore
-from harness.report import build_report, safe_name, write_synthetic_db
+from harness.report.build import build_report, safe_name, write_synthetic_db
+from harness.results.store import ResultStore
 
 pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[1]

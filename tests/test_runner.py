@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.model_list import load_model_list
-from harness.record import ResultStore
-from harness.runner import RunConfig, run_models, shard
+from harness.models.model_list import load_model_list
+from harness.results.store import ResultStore
+from harness.run.runner import RunConfig, run_models, shard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pathological_models  # noqa: E402

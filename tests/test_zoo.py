@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from harness import zoo
-from harness.inputs import find_attr
-from harness.model_list import load_model_list
+from harness.models.inputs import find_attr
+from harness.models.model_list import load_model_list
 
 SAMPLE = ["bert", "gpt2", "llama", "t5", "whisper", "vit", "swin", "resnet", "qwen2_vl", "deepseek_v3",
           "gemma3", "mixtral", "wav2vec2", "clip", "mamba2"]

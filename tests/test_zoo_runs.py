@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.model_list import load_model_list
-from harness.record import ResultStore
-from harness.runner import RunConfig, run_models
+from harness.models.model_list import load_model_list
+from harness.results.store import ResultStore
+from harness.run.runner import RunConfig, run_models
 
 
 def _run(tmp_path: Path, list_name: str, settings: dict, jobs: int = 2) -> tuple[list, list[dict]]:

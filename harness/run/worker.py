@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from .compare import Tolerance, compare_outputs, identical
-from .inputs import make_inputs, output_tensors
-from .load import load_model
-from .localize import capture, first_drift
-from .model_list import ModelEntry
+from harness.models.inputs import make_inputs, output_tensors
+from harness.models.load import load_model
+from harness.models.model_list import ModelEntry
+from harness.run.compare import Tolerance, compare_outputs, identical
+from harness.run.localize import capture, first_drift
 
 _MISSING_KERNEL = re.compile(r"Could not run '([\w:.]+)' with arguments from the '(\w+)' backend")
 _FLEX = re.compile(r"FlexAttention is only supported on|flex_attention", re.IGNORECASE)

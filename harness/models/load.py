@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model_list import ModelEntry
+from harness.models.model_list import ModelEntry
 
 
 class LoadError(RuntimeError):
@@ -77,7 +77,7 @@ def build_tiny(
     The global RNG is seeded for construction and restored afterwards, so callers' randomness
     is unaffected and two calls with one seed give identical weights.
     """
-    from .zoo import auto_class, tiny_config
+    from harness.models.zoo import auto_class, tiny_config
 
     config = tiny_config(arch, task)
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -148,7 +148,7 @@ def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | 
 def _from_pretrained(
     entry: ModelEntry, name: str, dtype: torch.dtype, attn_implementation: str | None
 ) -> Any:
-    from .zoo import auto_class
+    from harness.models.zoo import auto_class
 
     kwargs: dict[str, Any] = {
         "dtype": dtype,

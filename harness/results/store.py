@@ -816,7 +816,7 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.record", description="merge portharness DBs")
+    parser = argparse.ArgumentParser(prog="python -m harness.results.store", description="merge portharness DBs")
     add_merge_arguments(parser)
     return main_merge(parser.parse_args(argv))
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .compare import Tolerance, check_tensor
-from .inputs import output_tensors
+from harness.models.inputs import output_tensors
+from harness.run.compare import Tolerance, check_tensor
 
 
 @dataclass

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .model_list import ModelEntry
-from .record import ResultRow, ResultStore, RunInfo
-from .worker import Task, task_dict, worker_main
+from harness.models.model_list import ModelEntry
+from harness.results.store import ResultRow, ResultStore, RunInfo
+from harness.run.worker import Task, task_dict, worker_main
 
 RETRYABLE = frozenset({"crash", "timeout"})
 POOL_START_GRACE_S = 60.0
@@ -110,7 +110,7 @@ def shard(entries: list[ModelEntry], spec: str) -> list[ModelEntry]:
     return ordered[i - 1 :: n]
 
 
-_PRELOAD = ["torch", "transformers", "harness.worker"]
+_PRELOAD = ["torch", "transformers", "harness.run.worker"]
 
 
 def _worker_context() -> Any:

@@ -489,7 +489,7 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
 
 def to_rows(result: BenchResult, run_id: str) -> list:
     """`CollectiveRow`s for `ResultStore.record_collective` (kind: collective)."""
-    from harness.record import CollectiveRow
+    from harness.results.store import CollectiveRow
 
     cfg = result.config
     return [
@@ -517,7 +517,7 @@ def to_rows(result: BenchResult, run_id: str) -> list:
 
 def record(result: BenchResult, db: str | os.PathLike, argv: str = "") -> str:
     """Write the rows into the DB at ``db`` as one run (list ``collectives``); returns the run id."""
-    from harness.record import ResultStore, RunInfo
+    from harness.results.store import ResultStore, RunInfo
 
     cfg = result.config
     with ResultStore(db) as store:
@@ -639,7 +639,7 @@ def main_collectives(args: argparse.Namespace) -> int:
     db = getattr(args, "db", None)
     run_id = None
     if db:
-        from harness.record import StoreError
+        from harness.results.store import StoreError
 
         try:
             run_id = record(result, db, argv=" ".join(sys.argv))
@@ -692,7 +692,7 @@ def add_collectives_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m harness.collectives", description=__doc__.splitlines()[0]
+        prog="python -m harness.bench.collectives", description=__doc__.splitlines()[0]
     )
     add_collectives_arguments(parser)
     return main_collectives(parser.parse_args(argv))

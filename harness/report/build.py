@@ -32,9 +32,9 @@ import pandas as pd
 from markupsafe import Markup
 
 from harness import __version__
-from harness.diff import DiffResult, diff_runs, previous_comparable
-from harness.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
-from harness.record import (
+from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
+from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
+from harness.results.store import (
     OUTCOMES,
     CollectiveRow,
     ResultRow,
@@ -44,9 +44,9 @@ from harness.record import (
     utc_now,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES_DIR = Path(os.environ.get("PORTHARNESS_TEMPLATES", REPO_ROOT / "reports" / "templates"))
-ASSETS_DIR = Path(os.environ.get("PORTHARNESS_ASSETS", REPO_ROOT / "reports" / "assets"))
+PACKAGE_DIR = Path(__file__).resolve().parent
+TEMPLATES_DIR = PACKAGE_DIR / "templates"
+ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
 NOT_TARGET = ("load_fail", "ref_fail", "ref_nondeterministic")
 OUTCOME_COLORS = {
@@ -493,7 +493,7 @@ def _collectives_view(coll: pd.DataFrame) -> list[dict[str, Any]]:
 
 def _env() -> jinja2.Environment:
     if not TEMPLATES_DIR.is_dir():
-        raise FileNotFoundError(f"report templates not found in {TEMPLATES_DIR} (set PORTHARNESS_TEMPLATES)")
+        raise FileNotFoundError(f"report templates not found in {TEMPLATES_DIR} (a broken install: reinstall portharness)")
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         autoescape=True,  # every template: model-supplied text must never become markup
@@ -526,7 +526,7 @@ def _prepare_out(out: Path) -> None:
     assets = out / "assets"
     assets.mkdir(exist_ok=True)
     if not ASSETS_DIR.is_dir():
-        raise FileNotFoundError(f"report assets not found in {ASSETS_DIR} (set PORTHARNESS_ASSETS)")
+        raise FileNotFoundError(f"report assets not found in {ASSETS_DIR} (a broken install: reinstall portharness)")
     for f in ASSETS_DIR.iterdir():
         if f.is_file():
             shutil.copyfile(f, assets / f.name)

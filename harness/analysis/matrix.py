@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.record import OUTCOMES, ResultStore, StoreError
+from harness.results.store import OUTCOMES, ResultStore, StoreError
 
 GROUP_KEYS = ("arch", "task", "modality")
 UNKNOWN = "(unknown)"

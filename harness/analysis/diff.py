@@ -26,8 +26,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.matrix import with_config
-from harness.record import ResultStore, StoreError
+from harness.analysis.matrix import with_config
+from harness.results.store import ResultStore, StoreError
 
 SEVERITY: dict[str, int] = {
     "pass": 0,

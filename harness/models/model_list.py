@@ -49,7 +49,7 @@ class UnknownModelError(LookupError):
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model to run.  ``inputs`` overrides input generation (see harness.inputs)."""
+    """One model to run.  ``inputs`` overrides input generation (see harness.models.inputs)."""
 
     id: str
     source: str
@@ -97,7 +97,7 @@ class ModelEntry:
 def list_dirs() -> list[Path]:
     """Where bare list names are looked up: ``$PORTHARNESS_MODEL_LISTS`` then the repo's model_lists/."""
     dirs = [Path(p) for p in os.environ.get("PORTHARNESS_MODEL_LISTS", "").split(os.pathsep) if p]
-    dirs.append(Path(__file__).resolve().parent.parent / "model_lists")
+    dirs.append(Path(__file__).resolve().parents[2] / "model_lists")
     return dirs
 
 
@@ -163,7 +163,7 @@ def _parse_inputs(value: str, where: str) -> dict[str, Any]:
 
 
 def _row_to_entry(cells: dict[str, str], where: str, base_dir: Path) -> ModelEntry:
-    from harness.zoo import HEADS
+    from harness.models.zoo import HEADS
 
     model_id = cells.get("id", "").strip()
     if not model_id:
