@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.outcomes import OUTCOMES
 from harness.results.store import (
-    OUTCOMES,
     CollectiveRow,
     ResultRow,
     ResultStore,

@@ -27,21 +27,9 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.matrix import with_config
+from harness.outcomes import REFERENCE_SIDE, severity
 from harness.results.store import ResultStore, StoreError
 
-SEVERITY: dict[str, int] = {
-    "pass": 0,
-    "flaky": 1,
-    "drift": 2,
-    "unsupported_op": 3,
-    "timeout": 4,
-    "oom": 4,
-    "crash": 5,
-    "ref_fail": 6,
-    "ref_nondeterministic": 6,
-    "load_fail": 6,
-}
-NOT_TARGET = frozenset({"ref_fail", "ref_nondeterministic", "load_fail"})
 DEFAULT_DRIFT_FACTOR = 2.0
 
 
@@ -190,7 +178,7 @@ def diff_runs(
             res.removed.append(ch)
             continue
         assert bo is not None and ho is not None
-        sb, sh = SEVERITY.get(bo, 5), SEVERITY.get(ho, 5)
+        sb, sh = severity(bo), severity(ho)
         ch.direction = "worse" if sh > sb else "better" if sh < sb else "same"
         allowed = _allowed(key[0], patterns)
         if ho == "flaky":
@@ -210,7 +198,7 @@ def diff_runs(
             else:
                 res.unchanged += 1
             continue
-        if bo in NOT_TARGET or ho in NOT_TARGET:
+        if bo in REFERENCE_SIDE or ho in REFERENCE_SIDE:
             res.ref_changes.append(ch)
         elif ho == "flaky":
             pass  # reported under flaky; flakiness is not a regression

@@ -19,7 +19,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.results.store import OUTCOMES, ResultStore, StoreError
+from harness.outcomes import OUTCOMES, REFERENCE_SIDE
+from harness.results.store import ResultStore, StoreError
 
 GROUP_KEYS = ("arch", "task", "modality")
 UNKNOWN = "(unknown)"
@@ -112,7 +113,7 @@ def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
     counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=list(OUTCOMES), fill_value=0)
     counts.columns.name = None
     n = counts.sum(axis=1)
-    not_ref = n - counts[["load_fail", "ref_fail", "ref_nondeterministic"]].sum(axis=1)
+    not_ref = n - counts[sorted(REFERENCE_SIDE)].sum(axis=1)
     out = pd.DataFrame({"n": n, "pass": counts["pass"]})
     out["pass_rate"] = (counts["pass"] / n).round(4)
     out["target_pass_rate"] = (counts["pass"] / not_ref.where(not_ref > 0)).round(4)

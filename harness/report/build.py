@@ -34,8 +34,8 @@ from markupsafe import Markup
 from harness import __version__
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
 from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
+from harness.outcomes import COLOURS, OUTCOMES, REFERENCE_SIDE
 from harness.results.store import (
-    OUTCOMES,
     CollectiveRow,
     ResultRow,
     ResultStore,
@@ -48,19 +48,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
-NOT_TARGET = ("load_fail", "ref_fail", "ref_nondeterministic")
-OUTCOME_COLORS = {
-    "pass": "#2e7d32",
-    "flaky": "#c0a000",
-    "drift": "#ef6c00",
-    "unsupported_op": "#6a1b9a",
-    "timeout": "#8d6e63",
-    "oom": "#5d4037",
-    "crash": "#c62828",
-    "ref_fail": "#78909c",
-    "ref_nondeterministic": "#90a4ae",
-    "load_fail": "#546e7a",
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +238,7 @@ def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 2
             continue
         w = c / total * width
         parts.append(
-            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{OUTCOME_COLORS[outcome]}">'
+            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
             f"<title>{outcome}: {c}</title></rect>"
         )
         x += w
@@ -503,7 +490,7 @@ def _env() -> jinja2.Environment:
     )
     env.filters["fmt"] = fmt
     env.globals["OUTCOMES"] = OUTCOMES
-    env.globals["OUTCOME_COLORS"] = OUTCOME_COLORS
+    env.globals["OUTCOME_COLORS"] = COLOURS
     return env
 
 
@@ -584,7 +571,7 @@ def build_report(
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
     counts = outcome_counts(df)
     total = sum(counts.values())
-    not_ref = total - sum(counts[o] for o in NOT_TARGET)
+    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
     res = None
     if base is not None:
         res = diff_runs(base[1], df, base_run=base[0], head_run=rid)

@@ -33,18 +33,8 @@ from typing import Any
 
 import pandas as pd
 
-OUTCOMES = (
-    "load_fail",
-    "ref_fail",
-    "ref_nondeterministic",
-    "unsupported_op",
-    "crash",
-    "timeout",
-    "oom",
-    "drift",
-    "flaky",
-    "pass",
-)
+from harness import outcomes
+
 
 APP_NAME = "portharness"
 SCHEMA_VERSION = 1
@@ -551,8 +541,7 @@ class ResultStore:
 
     def record(self, row: ResultRow) -> None:
         """Upsert one result; it is committed (survives kill -9) when this returns."""
-        if row.outcome not in OUTCOMES:
-            raise ValueError(f"unknown outcome {row.outcome!r}; expected one of {', '.join(OUTCOMES)}")
+        outcomes.check(row.outcome)
         if not row.model_id:
             raise ValueError("ResultRow.model_id is empty")
         self._require_run(row.run_id)

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from harness.models.model_list import ModelEntry
+from harness.outcomes import RETRYABLE
 from harness.results.store import ResultRow, ResultStore, RunInfo
 from harness.run.worker import Task, task_dict, worker_main
 
-RETRYABLE = frozenset({"crash", "timeout"})
 POOL_START_GRACE_S = 60.0
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 

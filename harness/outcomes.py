@@ -1,0 +1,58 @@
+"""The outcome vocabulary: every verdict a (model, target, settings) row can carry, in one table.
+
+Each outcome says where its cause lies (the model/reference side or the target), how bad it is for
+the night-to-night gate, whether the runner retries it on another device, and how the report draws it.
+Everything else (store validation, diff severity, matrix columns, report colours, runner retries)
+reads this table; nothing else lists outcomes.
+
+Precedence in the worker is the order below: the first stage that fails decides the outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    severity: int  # for the diff gate: a higher value in the head run than in the base is "worse"
+    colour: str  # report colour
+    meaning: str
+    reference_side: bool = False  # the model or the CPU reference failed: says nothing about the target
+    retryable: bool = False  # suspicious enough to re-run on another device
+
+
+TABLE: tuple[Outcome, ...] = (
+    Outcome("load_fail", 6, "#546e7a", "the model could not be loaded or fed", reference_side=True),
+    Outcome("ref_fail", 6, "#78909c", "the fp32 CPU reference raised", reference_side=True),
+    Outcome("ref_nondeterministic", 6, "#90a4ae", "two fp32 CPU reference runs differ", reference_side=True),
+    Outcome("unsupported_op", 3, "#6a1b9a", "the target lacks an op (named in the row)"),
+    Outcome("crash", 5, "#c62828", "the target run raised or its worker died", retryable=True),
+    Outcome("timeout", 4, "#8d6e63", "the model ran past the time budget", retryable=True),
+    Outcome("oom", 4, "#5d4037", "out of memory"),
+    Outcome("drift", 2, "#ef6c00", "outputs beyond the comparison rule's bound"),
+    Outcome("flaky", 1, "#c0a000", "failed, then passed on a retry on a healthy device"),
+    Outcome("pass", 0, "#2e7d32", "outputs within the fp32 bound"),
+)
+
+BY_NAME: dict[str, Outcome] = {o.name: o for o in TABLE}
+OUTCOMES: tuple[str, ...] = tuple(o.name for o in TABLE)
+REFERENCE_SIDE: frozenset[str] = frozenset(o.name for o in TABLE if o.reference_side)
+RETRYABLE: frozenset[str] = frozenset(o.name for o in TABLE if o.retryable)
+PASSING: frozenset[str] = frozenset({"pass"})
+COLOURS: dict[str, str] = {o.name: o.colour for o in TABLE}
+UNKNOWN_SEVERITY = 5  # an outcome written by a newer portharness: treat it like a crash
+
+
+def severity(outcome: str | None) -> int:
+    """Gate severity of an outcome (0 = pass)."""
+    o = BY_NAME.get(outcome or "")
+    return o.severity if o is not None else UNKNOWN_SEVERITY
+
+
+def check(outcome: str) -> str:
+    """`outcome` if it is in the vocabulary, else ValueError naming the known ones."""
+    if outcome not in BY_NAME:
+        raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
+    return outcome
