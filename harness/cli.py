@@ -1,8 +1,7 @@
-"""`portharness` command line: check one model, run a list, and read the results.
+"""`portharness` command line: every option is defined here, once; each command calls a stage's API.
 
-Stages live in their own modules (model_list -> load -> worker/runner -> compare -> record -> matrix
--> report); this file only parses arguments and maps errors to clear messages and exit codes:
-0 = success (for `check`: the model passed), 1 = the check/diff found a problem, 2 = bad input.
+One exit-code policy for all commands: 0 = success (for `check`: the model passed), 1 = the check,
+diff or run found a problem, 2 = bad input (one line on stderr, nothing written), 130 = Ctrl-C.
 """
 
 from __future__ import annotations
@@ -11,247 +10,50 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 DEFAULT_DB = "results/portharness.db"
 
 
-def _add_target_args(p: argparse.ArgumentParser) -> None:
+# ---------------------------------------------------------------- options
+
+
+def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="sim", help="device to test: sim, sim:1, cuda, xpu, cpu, ... (default sim)")
     p.add_argument(
         "--precision",
         default="default",
         help="sim: default (bf16 matmul inputs) or highest; other targets: torch float32 matmul precision",
     )
-    p.add_argument("--ops", default="young", help="sim op profile: young (default), full, or a profile file")
-    p.add_argument(
-        "--attn",
-        default=None,
-        choices=["eager", "sdpa", "flex_attention"],
-        help="force an attention implementation (flex_attention reproduces the classic coverage gap)",
-    )
+    p.add_argument("--ops", default=None, help="sim op profile: young (default), full, or a profile file")
+    p.add_argument("--attn", default=None, choices=["eager", "sdpa", "flex_attention"],
+                   help="force an attention implementation (flex_attention reproduces the classic coverage gap)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per model before its worker is killed")
     p.add_argument("--mem-cap-mb", type=int, default=8192, help="extra memory a worker may take (0 = no cap)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--fault",
-        default=None,
-        help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)",
-    )
+    p.add_argument("--fault", default=None,
+                   help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)")
     p.add_argument("--no-localize", action="store_true", help="skip the per-module drift localization")
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    from harness.sim.opset import profile_names
-
-    settings: dict[str, Any] = {"precision": args.precision}
-    if args.target.split(":")[0] == "sim":
-        if args.precision not in ("default", "highest"):
-            raise ValueError(f"--precision {args.precision!r}: sim supports 'default' or 'highest'")
-        if args.ops not in profile_names() and not os.path.isfile(args.ops):
-            raise ValueError(f"--ops {args.ops!r}: expected one of {', '.join(profile_names())} or a profile file")
-        settings["ops"] = args.ops
-    elif args.precision not in ("default", "highest", "high", "medium"):
-        raise ValueError(f"--precision {args.precision!r}: expected default, highest, high or medium")
-    if args.attn:
-        settings["attn"] = args.attn
-    return settings
-
-
-def _config(args: argparse.Namespace, **overrides: Any):
-    from harness.run.runner import RunConfig
-
-    if args.fault:
-        from harness.sim.faults import parse_fault_spec
-
-        parse_fault_spec(args.fault)  # validate before any worker starts
-        os.environ["PORTHARNESS_SIM_FAULTS"] = args.fault
-    return RunConfig(
-        target=args.target,
-        settings=_settings(args),
-        timeout_s=args.timeout,
-        mem_cap_mb=args.mem_cap_mb or None,
-        seed=args.seed,
-        localize=not args.no_localize,
-        **overrides,
-    )
-
-
-# ---------------------------------------------------------------- check
-
-
-def _verdict_table(row: dict[str, Any]) -> str:
-    keys = [
-        ("outcome", "outcome"),
-        ("model", "model_id"),
-        ("arch / task", None),
-        ("target", "device"),
-        ("settings", None),
-        ("unsupported op", "unsupported_op"),
-        ("error", None),
-        ("first drifting module", None),
-        ("rmse ratio (<=1 ok)", "rmse_ratio"),
-        ("max abs err", "max_abs_err"),
-        ("max rel err", "max_rel_err"),
-        ("min cosine", "min_cosine"),
-        ("load / ref / target s", None),
-        ("peak RSS MB", "peak_rss_mb"),
-    ]
-    lines = []
-    for label, key in keys:
-        if key is not None:
-            val = row.get(key)
-        elif label == "arch / task":
-            val = f"{row.get('arch', '')} / {row.get('task', '')}"
-        elif label == "settings":
-            val = " ".join(f"{k}={v}" for k, v in sorted(row.get("settings", {}).items()))
-        elif label == "error":
-            parts = [row.get("error_type") or "", row.get("error_message") or ""]
-            val = ": ".join(p for p in parts if p) or None
-        elif label == "first drifting module":
-            m = row.get("first_drift_module")
-            val = f"{m} ({row.get('first_drift_module_type', '')})" if m else None
-        else:
-            ts = [row.get(k) for k in ("load_time_s", "ref_time_s", "target_time_s")]
-            val = " / ".join("-" if t is None else f"{t:.3f}" for t in ts)
-        if val in (None, "", " / "):
-            continue
-        if isinstance(val, float):
-            val = f"{val:.4g}"
-        lines.append(f"  {label:<24} {str(val)[:300]}")
-    metrics = row.get("metrics") or {}
-    if metrics:
-        lines.append("  outputs:")
-        for name, m in metrics.items():
-            ok = "ok  " if m.get("ok") else "FAIL"
-            ratio = m.get("rmse_ratio")
-            ratio_s = "-" if ratio is None else f"{ratio:.3g}"
-            mabs = m.get("max_abs")
-            mabs_s = "-" if mabs is None else f"{mabs:.3g}"
-            lines.append(f"    {ok} {name:<28} rmse_ratio={ratio_s:<9} max_abs={mabs_s} {m.get('note', '')}")
-    return "\n".join(lines)
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    from harness.models.model_list import find_entry
-    from harness.run.runner import run_models
-
-    config = _config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
-    entry = find_entry(args.model)
-    db = args.db
-    tmp = None
-    if db is None:
-        import tempfile
-
-        tmp = tempfile.TemporaryDirectory(prefix="portharness-check-")
-        db = os.path.join(tmp.name, "check.db")
-    try:
-        summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
-        from harness.results.store import ResultStore
-
-        with ResultStore(db) as store:
-            df = store.results(summary.run_id)
-        row = df.iloc[0].to_dict()
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    row = {k: (None if _isnan(v) else v) for k, v in row.items()}
-    if args.json:
-        print(json.dumps(row, indent=2, default=str))
-    else:
-        print(f"portharness check {entry.id} on {args.target}")
-        print(_verdict_table(row))
-        if row.get("traceback") and row["outcome"] not in ("pass", "drift"):
-            print("  traceback (trimmed):")
-            print("    " + row["traceback"].replace("\n", "\n    "))
-    return 0 if row["outcome"] == "pass" else 1
-
-
-def _isnan(v: Any) -> bool:
-    return isinstance(v, float) and v != v
-
-
-# ---------------------------------------------------------------- run
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from harness.models.model_list import load_model_list
-    from harness.run.runner import run_models, shard
-
-    entries = load_model_list(args.list)
-    if args.only:
-        wanted = set(args.only.split(","))
-        entries = [e for e in entries if e.id in wanted or e.arch in wanted]
-    entries = shard(entries, args.shard)
-    if args.limit:
-        entries = entries[: args.limit]
-    if not entries:
-        print(f"portharness: nothing to run ({args.list}, shard {args.shard}, limit {args.limit})", file=sys.stderr)
-        return 2
-    config = _config(
-        args, jobs=args.jobs, retries=args.retries, spare=args.spare, quarantine_after=args.quarantine_after,
-        progress=not args.quiet,
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
-    print(
-        f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
-        f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, {args.jobs} worker(s) -> {args.db}",
-        file=sys.stderr,
-    )
-    summary = run_models(
-        entries, config, args.db, list_name=args.list, shard_spec=args.shard, resume=args.resume,
-        argv=" ".join(sys.argv),
-    )
-    total_done = summary.rows_written
-    print(f"\nrun {summary.run_id}: {total_done} models in {summary.wall_s:.1f}s"
-          + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
-    for outcome, n in sorted(summary.counts.items(), key=lambda kv: -kv[1]):
-        print(f"  {outcome:<22} {n:>6}  {n / max(total_done, 1):6.1%}")
-    if summary.quarantined:
-        print(f"  quarantined devices: {', '.join(summary.quarantined)}"
-              + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
-    if summary.unfinished:
-        print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
-    if args.report:
-        from harness.report.build import build_report
-
-        path = build_report(args.db, args.report, run_id=summary.run_id)
-        print(f"report: {path}")
-    if args.json:
-        print(json.dumps(asdict(summary), indent=2))
-    return 0 if not summary.unfinished else 1
-
-
-# ---------------------------------------------------------------- wiring
-
-
-def _delegate(module: str, func: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return int(getattr(importlib.import_module(module), func)(args) or 0)
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="portharness",
-        description="Backend-portability and numerical-conformance harness for PyTorch accelerators.",
-    )
+    ap = argparse.ArgumentParser(prog="portharness",
+               description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 only on pass")
     p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
-    _add_target_args(p)
+    _target_options(p)
     p.add_argument("--json", action="store_true", help="print the full result row as JSON")
     p.add_argument("--db", default=None, help="also record the row in this result DB")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("run", help="run a model list on a target, recording every outcome")
     p.add_argument("--list", default="tiny-zoo", help="model list name (model_lists/NAME.csv) or path")
-    _add_target_args(p)
+    _target_options(p)
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes")
     p.add_argument("--shard", default="1/1", help="run shard i of N (i/N)")
     p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
@@ -269,64 +71,262 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix and pass rates")
     p.add_argument("--db", default=DEFAULT_DB)
     p.add_argument("--run", default=None, help="run id (default: latest)")
-    p.add_argument("--by", choices=["arch", "task", "modality"], default=None)
+    p.add_argument("--by", choices=["arch", "task", "modality"], default=None, help="also print pass rates by this")
     p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
     p.add_argument("--out", default=None, help="export the matrix (.csv, .json, .parquet)")
-    p.set_defaults(func=_delegate("harness.analysis.matrix", "main_matrix"))
+    p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("diff", help="compare two runs; exit 1 on regressions (CI gate)")
-    p.add_argument("--db", default=DEFAULT_DB)
-    p.add_argument("--base", default=None, help="base run id")
-    p.add_argument("--head", default=None, help="head run id")
-    p.add_argument("--base-db", default=None)
-    p.add_argument("--head-db", default=None)
-    p.add_argument("--drift-factor", type=float, default=None, help="rmse-ratio growth counted as regression")
+    p.add_argument("--db", default=None, help="DB holding both runs (or the head run with --base-db)")
+    p.add_argument("--base", default=None, help="base run id (default: previous comparable run)")
+    p.add_argument("--head", default=None, help="head run id (default: latest run)")
+    p.add_argument("--base-db", default=None, help="DB of the base run (its latest run)")
+    p.add_argument("--head-db", default=None, help="DB of the head run (its latest run)")
+    p.add_argument("--drift-factor", type=float, default=2.0, help="rmse-ratio growth counted as regression")
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_delegate("harness.analysis.diff", "main_diff"))
+    p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("report", help="build the static HTML report")
     p.add_argument("--db", default=DEFAULT_DB)
     p.add_argument("--out", default="reports/site")
-    p.add_argument("--run", default=None)
+    p.add_argument("--run", default=None, help="run id (default: latest)")
     p.add_argument("--base", default=None, help="base run for the diff page")
     p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (scripts/opinfo_table.py)")
-    p.set_defaults(func=_delegate("harness.report.build", "main_report"))
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("merge", help="merge shard DBs into one")
-    p.add_argument("--out", required=True)
-    p.add_argument("dbs", nargs="+")
-    p.set_defaults(func=_delegate("harness.results.store", "main_merge"))
+    p.add_argument("--out", required=True, help="destination DB (created if missing)")
+    p.add_argument("dbs", nargs="+", help="shard DBs to merge")
+    p.add_argument("--no-combine", action="store_true", help="keep per-shard runs separate")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("collectives", help="benchmark collective settings on the target")
-    p.add_argument("--target", default="sim")
+    p.add_argument("--target", default="sim", help="sim, cpu (gloo) or cuda (nccl)")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated message sizes in bytes")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--settings", type=lambda s: s.split(","), default=None, help="comma-separated setting names")
+    p.add_argument("--sizes", default=None, help="comma-separated byte counts, k/m suffixes allowed (default 4k,64k,1m,16m)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settings", default=None, help="comma-separated setting names (fused, skinny[:N], bucket:N, "
+                   "cap:N, per-device, per-host[:k])")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP training-step benchmark")
     p.add_argument("--db", default=None, help="record rows in this result DB")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_delegate("harness.bench.collectives", "main_collectives"))
+    p.set_defaults(func=cmd_collectives)
 
     p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
-    p.add_argument("zoo_args", nargs=argparse.REMAINDER, help="arguments for python -m harness.models.zoo")
-    p.set_defaults(func=lambda a: __import__("harness.models.zoo", fromlist=["main"]).main(a.zoo_args))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "model_lists" / "tiny-zoo.csv"))
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    p.add_argument("--limit", type=int, default=None, help="only the first N candidates (for a quick look)")
+    p.add_argument("--only", default=None, help="comma-separated model types or type/task pairs")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate")
+    p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
+    p.set_defaults(func=cmd_zoo)
     return ap
 
 
+# ---------------------------------------------------------------- check / run
+
+
+def _run_config(args: argparse.Namespace, **overrides: Any):
+    from harness.backends import adapter_for
+    from harness.run.runner import RunConfig
+
+    options = {"precision": args.precision}
+    if args.ops is not None:
+        options["ops"] = args.ops
+    if args.attn:
+        options["attn"] = args.attn
+    settings = adapter_for(args.target).check_settings(options)
+    if args.fault:
+        from harness.sim.faults import parse_fault_spec
+
+        parse_fault_spec(args.fault)  # validate before any worker starts
+        os.environ["PORTHARNESS_SIM_FAULTS"] = args.fault
+    return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout,
+                     mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from harness.console import clean_row, verdict_lines
+    from harness.models.model_list import find_entry
+    from harness.results.store import ResultStore
+    from harness.run.runner import run_models
+
+    config = _run_config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
+    entry = find_entry(args.model)
+    with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
+        db = args.db or os.path.join(tmp, "check.db")
+        summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
+        with ResultStore(db) as store:
+            row = clean_row(store.results(summary.run_id).iloc[0].to_dict())
+    if args.json:
+        print(json.dumps(row, indent=2, default=str))
+    else:
+        print(f"portharness check {entry.id} on {args.target}")
+        print("\n".join(verdict_lines(row)))
+    return 0 if row["outcome"] == "pass" else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from harness.console import outcome_table
+    from harness.models.model_list import load_model_list
+    from harness.run.runner import run_models, shard
+
+    entries = load_model_list(args.list)
+    if args.only:
+        wanted = set(args.only.split(","))
+        entries = [e for e in entries if e.id in wanted or e.arch in wanted]
+    entries = shard(entries, args.shard)
+    if args.limit:
+        entries = entries[: args.limit]
+    if not entries:
+        raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
+    config = _run_config(args, jobs=args.jobs, retries=args.retries, spare=args.spare,
+                         quarantine_after=args.quarantine_after, progress=not args.quiet)
+    os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
+    print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
+          f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, {args.jobs} worker(s) -> {args.db}",
+          file=sys.stderr)
+    summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard, resume=args.resume,
+                         argv=" ".join(sys.argv))
+    done = summary.rows_written
+    print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
+          + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
+    print(outcome_table(summary.counts, done))
+    if summary.quarantined:
+        print(f"  quarantined devices: {', '.join(summary.quarantined)}"
+              + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
+    if summary.unfinished:
+        print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
+    if args.report:
+        from harness.report import build_report
+
+        print(f"report: {build_report(args.db, args.report, run_id=summary.run_id)}")
+    if args.json:
+        print(json.dumps(asdict(summary), indent=2))
+    return 0 if not summary.unfinished else 1
+
+
+# ---------------------------------------------------------------- reading results
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from harness.analysis import matrix as mx
+    from harness.console import outcome_line, print_frame
+    from harness.outcomes import OUTCOMES
+
+    rid, df = mx.load_results(args.db, args.run)
+    counts = mx.outcome_counts(df)
+    total = sum(counts.values())
+    print(f"run {rid}: {total} result(s), pass rate {counts['pass'] / total if total else 0.0:.1%}")
+    print(outcome_line(counts))
+    mat = mx.matrix(df)
+    print_frame("matrix", mat)
+    if args.by:
+        rates = mx.pass_rates(df, args.by)
+        empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
+        print_frame(f"pass rate by {args.by}", rates.drop(columns=empty))
+    if args.ops:
+        print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
+    if args.out:
+        print(f"\nwrote {mx.export(mat, args.out)}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from harness.analysis.diff import diff_runs, format_summary, load_allowlist, resolve_runs
+
+    (base_id, base_df), (head_id, head_df) = resolve_runs(
+        db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db
+    )
+    res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
+                    flaky_allowlist=load_allowlist(args.flaky_allowlist))
+    print(json.dumps(res.to_dict(), indent=1) if args.json else format_summary(res))
+    return 1 if res.regressions else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    import time
+
+    from harness.report import build_report
+
+    t0 = time.perf_counter()
+    index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
+                         opinfo_csv=args.opinfo)
+    print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
+          f"(open it from disk: file://{index.resolve()})")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from harness.results.merge import merge_stores
+
+    n = merge_stores(args.out, args.dbs, combine_shards=not args.no_combine)
+    print(f"merged {n} rows from {len(args.dbs)} DB(s) into {args.out}")
+    return 0
+
+
+def collectives_config(args: argparse.Namespace):
+    """The benchmark configuration `portharness collectives` arguments describe (validated)."""
+    from harness.bench import collectives as bench
+
+    cfg = bench.BenchConfig(
+        target=args.target, world_size=args.world_size, repeats=args.repeats, warmup=args.warmup, ddp=args.ddp,
+        sizes=bench.parse_sizes(args.sizes) if args.sizes else list(bench.DEFAULT_SIZES),
+        settings=[s.strip() for s in args.settings.split(",") if s.strip()] if args.settings
+        else list(bench.DEFAULT_SETTINGS),
+    )
+    cfg.validate()
+    return cfg
+
+
+def cmd_collectives(args: argparse.Namespace) -> int:
+    from harness.bench import collectives as bench
+
+    cfg = collectives_config(args)
+    try:
+        result = bench.run_benchmark(cfg)
+    except Exception as exc:  # a rank died: spawn re-raises its traceback
+        print(f"portharness collectives: benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    run_id = bench.record(result, args.db, argv=" ".join(sys.argv)) if args.db else None
+    if args.json:
+        print(json.dumps(bench.as_json(result, run_id), indent=2))
+    else:
+        print(bench.format_table(result))
+        if run_id:
+            print(f"recorded run {run_id} in {args.db}")
+    return 0
+
+
+def cmd_zoo(args: argparse.Namespace) -> int:
+    from harness.run.zoo import generate
+
+    counts = generate(args.out, jobs=args.jobs, limit=args.limit, timeout_s=args.timeout,
+                      only=args.only.split(",") if args.only else None, report_path=args.report)
+    print(f"candidates: {counts['candidates']}  kept: {counts['kept']}  "
+          f"architectures: {counts['architectures']}  wall: {counts['wall_s']}s")
+    for reason, n in counts["failed"].items():
+        print(f"  failed {reason}: {n}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- exit policy
+
+
 def _is_input_error(e: Exception) -> bool:
-    """Bad input the user can fix (list, id, DB, settings, hub): a message, not a traceback.
+    """Bad input the user can fix (list, id, DB, settings, file, hub): a message, not a traceback.
 
-    Imported only once something failed: subcommands like `report` or `diff` shouldn't pay for
-    importing torch (via harness.models.load) at start-up."""
+    Classes are looked up only once something failed: `report` or `diff` shouldn't pay for importing
+    torch (via harness.models.load) at start-up."""
     from harness.models.model_list import ModelListError, UnknownModelError
-    from harness.results.store import StoreError
+    from harness.results.dbfile import StoreError
 
-    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError):
+    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError | FileNotFoundError):
         return True
     load = sys.modules.get("harness.models.load")
     return load is not None and isinstance(e, load.LoadError)
@@ -335,15 +335,15 @@ def _is_input_error(e: Exception) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except Exception as e:
-        if not _is_input_error(e):
-            raise
-        print(f"portharness: error: {e}", file=sys.stderr)
-        return 2
+        return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("portharness: interrupted; finished rows are saved (use --resume)", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _is_input_error(e):
+            raise
+        print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

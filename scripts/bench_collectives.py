@@ -7,10 +7,10 @@ fused per op and size, and the DDP step ratio, each with its p10-p90 spread over
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from harness import collectives as hc
+from harness.bench import collectives as hc
+from harness.cli import build_parser, collectives_config
 
 
 def headline(result: hc.BenchResult, setting: str = "skinny") -> str:
@@ -28,12 +28,9 @@ def headline(result: hc.BenchResult, setting: str = "skinny") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    hc.add_collectives_arguments(parser)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(["collectives", *(sys.argv[1:] if argv is None else argv)])
     try:
-        cfg = hc.config_from_args(args)
-        result = hc.run_benchmark(cfg)
+        result = hc.run_benchmark(collectives_config(args))
     except ValueError as exc:
         print(f"bench_collectives: error: {exc}", file=sys.stderr)
         return 2

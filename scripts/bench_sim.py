@@ -22,18 +22,14 @@ import argparse
 import copy
 import cProfile
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _tiny_models as tm  # noqa: E402
-
-import harness.sim as sim  # noqa: E402
+import harness.sim as sim
+from harness.models.inputs import make_inputs
+from harness.models.tiny import build_tiny
 
 MODELS: dict[str, tuple[str, str]] = {
     "bert": ("bert", "masked-lm"),
@@ -56,10 +52,10 @@ def _time_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float
 def bench_model(name: str, warmup: int, repeats: int) -> dict[str, float]:
     """Median/min seconds per forward for CPU, sim@default and sim@highest, plus ops per forward."""
     model_type, task = MODELS[name]
-    cpu_model = tm.build(model_type, task)
+    cpu_model = build_tiny(model_type, task)
     sim_model = copy.deepcopy(cpu_model).to("sim")
-    cpu_in = tm.make_inputs(cpu_model, task)
-    sim_in = tm.to_device(cpu_in, "sim")
+    cpu_in = make_inputs(cpu_model, cpu_model.config, task=task)
+    sim_in = {k: v.to("sim") for k, v in cpu_in.items()}
     times: dict[str, list[float]] = {"cpu": [], "default": [], "highest": []}
     with torch.no_grad():
         for i in range(warmup + repeats):

@@ -32,19 +32,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _tiny_models as tm  # noqa: E402
-
-import harness.sim as sim  # noqa: E402
-from harness.sim import opset  # noqa: E402
-from harness.sim import tensor as sim_tensor  # noqa: E402
+import harness.sim as sim
+from harness.models.inputs import make_inputs, output_tensors
+from harness.models.tiny import build_tiny
+from harness.sim import opset
+from harness.sim import tensor as sim_tensor
 
 PROFILE = Path(opset.PROFILE_DIR) / "young.txt"
 
@@ -311,12 +308,12 @@ def _traced(fn) -> tuple[set[str], str | None]:
 def trace_model(model_type: str, task: str) -> tuple[set[str], list[str]]:
     """Ops one model dispatches on sim (forward, backward, AdamW step, generate), and any failures."""
     problems = []
-    cpu_model = tm.build(model_type, task)
-    inputs = tm.make_inputs(cpu_model, task)
+    cpu_model = build_tiny(model_type, task)
+    inputs = make_inputs(cpu_model, cpu_model.config, task=task)
     ops: set[str] = set()
     with sim.op_profile("full"):
         model = copy.deepcopy(cpu_model).to("sim")
-        sim_in = tm.to_device(inputs, "sim")
+        sim_in = {k: v.to("sim") for k, v in inputs.items()}
         out_box = []
 
         def forward():
@@ -328,7 +325,7 @@ def trace_model(model_type: str, task: str) -> tuple[set[str], list[str]]:
             out_box.append(model(**sim_in))
 
         def backward():
-            out = tm.first_tensor(out_box[0]).float()
+            out = next(t for t in output_tensors(out_box[0]).values() if t.is_floating_point()).float()
             if out.dim() >= 2 and out.shape[-1] > 1:  # logits: a classification loss, as training uses
                 flat = out.reshape(-1, out.shape[-1])
                 target = torch.zeros(flat.shape[0], dtype=torch.long, device=flat.device)

@@ -9,7 +9,6 @@ otherwise punish for no fault.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 
@@ -20,7 +19,8 @@ import torch.multiprocessing as mp
 
 import harness.sim
 import harness.sim.distributed as sd
-from harness import collectives as hc
+from harness.bench import collectives as hc
+from harness.cli import main as cli_main
 from harness.results.store import ResultStore
 
 # Settings small enough that the test tensors are split into several uneven messages.
@@ -353,29 +353,21 @@ def test_backends_registered() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _args(**kw) -> argparse.Namespace:
-    base = dict(
-        target="sim", world_size=2, sizes=None, repeats=3, settings=None, db=None, json=False, ddp=False
-    )
-    base.update(kw)
-    return argparse.Namespace(**base)
-
-
 @pytest.mark.parametrize(
-    ("kw", "match"),
+    ("argv", "match"),
     [
-        ({"world_size": 1}, "world size must be an integer >= 2"),
-        ({"settings": ["fused", "turbo"]}, "unknown setting 'turbo'"),
-        ({"sizes": [10]}, "bad size 10"),
-        ({"sizes": [-4096]}, "bad size -4096"),
-        ({"settings": ["per-host:3"]}, "does not divide world size 2"),
-        ({"target": "tpu"}, "unknown target 'tpu'"),
-        ({"repeats": 0}, "repeats must be >= 1"),
-        ({"settings": ["skinny", "skinny"]}, "duplicate settings"),
+        (["--world-size", "1"], "world size must be an integer >= 2"),
+        (["--settings", "fused,turbo"], "unknown setting 'turbo'"),
+        (["--sizes", "10"], "bad size 10"),
+        (["--sizes=-4096"], "bad size '-4096'"),
+        (["--settings", "per-host:3"], "does not divide world size 2"),
+        (["--target", "tpu"], "unknown target 'tpu'"),
+        (["--repeats", "0"], "repeats must be >= 1"),
+        (["--settings", "skinny,skinny"], "duplicate settings"),
     ],
 )
-def test_main_collectives_rejects_bad_arguments(capsys, kw: dict, match: str) -> None:
-    assert hc.main_collectives(_args(**kw)) == 2
+def test_collectives_cli_rejects_bad_arguments(capsys, argv: list, match: str) -> None:
+    assert cli_main(["collectives", "--no-ddp", *argv]) == 2
     err = capsys.readouterr().err
     assert "portharness collectives: error:" in err and match in err
 
@@ -408,7 +400,7 @@ def test_summarize_pairs_ratios_per_repeat() -> None:
     base = ms[("all_reduce", "fused")]
     assert (base.ratio, base.ratio_p10, base.ratio_p90) == (1.0, 1.0, 1.0)
     assert ms[(hc.DDP_OP, "skinny")].ratio == pytest.approx(1.2)
-    assert hc.quantile([1, 2, 3, 4], 0.5) == 2.5
+    assert hc.spread([1, 2, 3, 4])[1] == 2.5
 
 
 def test_rows_recorded_and_table(tmp_path) -> None:
@@ -430,9 +422,9 @@ def test_rows_recorded_and_table(tmp_path) -> None:
 
 def test_benchmark_end_to_end_small(tmp_path, capsys) -> None:
     db = tmp_path / "bench.db"
-    args = _args(sizes=[4096], repeats=2, settings=["skinny:1k"], db=str(db), json=True)
-    args.warmup = 1
-    assert hc.main_collectives(args) == 0
+    argv = ["collectives", "--sizes", "4096", "--repeats", "2", "--warmup", "1", "--settings", "skinny:1k",
+            "--db", str(db), "--json", "--no-ddp"]
+    assert cli_main(argv) == 0
     out = capsys.readouterr().out
     import json
 

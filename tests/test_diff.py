@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -12,8 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.analysis.diff import diff_runs, format_summary, load_allowlist, main_diff
-from harness.results.store import ResultRow, ResultStore, RunInfo
+from harness.analysis.diff import diff_runs, format_summary, load_allowlist
+from harness.cli import main as cli_main
+from harness.results.rows import ResultRow, RunInfo
+from harness.results.store import ResultStore
 
 S = {"ops": "young"}
 
@@ -115,39 +116,35 @@ def _db(path: Path, nights: list[list[tuple]]) -> list[str]:
                 RunInfo("tiny-zoo", "sim", S, run_id=f"night{n}", started_at=f"2026-01-0{n + 1}T00:00:00Z")
             )
             for r in rows:
-                st.record(ResultRow(rid, r[0], "sim", S, r[1], rmse_ratio=r[2] if len(r) > 2 else None))
+                st.record(ResultRow(run_id=rid, model_id=r[0], target="sim", settings=S, outcome=r[1], rmse_ratio=r[2] if len(r) > 2 else None))
             st.finish_run(rid)
             ids.append(rid)
     return ids
 
 
-def _ns(**kw) -> argparse.Namespace:
-    base = dict(
-        db=None,
-        base=None,
-        head=None,
-        base_db=None,
-        head_db=None,
-        drift_factor=2.0,
-        flaky_allowlist=None,
-        json=False,
-    )
-    base.update(kw)
-    return argparse.Namespace(**base)
+def _diff(**kw) -> int:
+    """`portharness diff` through the real CLI; keyword names are the option names."""
+    argv = ["diff"]
+    for k, v in kw.items():
+        if v is True:
+            argv.append(f"--{k.replace('_', '-')}")
+        elif v is not None:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    return cli_main(argv)
 
 
 def test_main_diff_same_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "n.db"
     _db(db, [BASE, HEAD, HEAD])
     # Default: latest two comparable runs (night1 -> night2: identical) -> 0
-    assert main_diff(_ns(db=str(db))) == 0
+    assert _diff(db=str(db)) == 0
     assert "base=night1 head=night2" in capsys.readouterr().out
-    assert main_diff(_ns(db=str(db), base="night0", head="night1")) == 1
+    assert _diff(db=str(db), base="night0", head="night1") == 1
     assert "NEW FAILURES" in capsys.readouterr().out
-    assert main_diff(_ns(db=str(db), base="night0", head="night1", json=True)) == 1
+    assert _diff(db=str(db), base="night0", head="night1", json=True) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["n_regressions"] == 4 and data["base_run"] == "night0"  # j not allowlisted here
-    assert main_diff(_ns(db=str(db), base="nope")) == 2
+    assert _diff(db=str(db), base="nope") == 2
     assert "unknown run id 'nope'" in capsys.readouterr().err
 
 
@@ -155,15 +152,15 @@ def test_main_diff_two_dbs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     prev, cur = tmp_path / "prev.db", tmp_path / "merged.db"
     _db(prev, [BASE])
     _db(cur, [HEAD])
-    assert main_diff(_ns(base_db=str(prev), head_db=str(cur))) == 1
-    assert main_diff(_ns(base_db=str(prev), head_db=str(prev))) == 2  # one run only: nothing to compare
+    assert _diff(base_db=str(prev), head_db=str(cur)) == 1
+    assert _diff(base_db=str(prev), head_db=str(prev)) == 2  # one run only: nothing to compare
     capsys.readouterr()
-    assert main_diff(_ns(base_db=str(tmp_path / "missing.db"), head_db=str(cur))) == 2
+    assert _diff(base_db=str(tmp_path / "missing.db"), head_db=str(cur)) == 2
     assert "missing.db does not exist" in capsys.readouterr().err
     assert not (tmp_path / "missing.db").exists()
     single = tmp_path / "single.db"
     _db(single, [BASE])
-    assert main_diff(_ns(db=str(single))) == 2
+    assert _diff(db=str(single)) == 2
     assert "no earlier run comparable" in capsys.readouterr().err
 
 
@@ -180,7 +177,8 @@ _FAKE_CLI = """
 import sys
 args = sys.argv[1:]
 if args and args[0] == "run":
-    from harness.results.store import ResultRow, ResultStore, RunInfo
+    from harness.results.rows import ResultRow, RunInfo
+    from harness.results.store import ResultStore
     opt = dict(zip(args[1::2], args[2::2]))
     i, n = (int(x) for x in opt["--shard"].split("/"))
     broken = sys.argv[0].endswith("broken.py")
@@ -188,7 +186,7 @@ if args and args[0] == "run":
         rid = st.begin_run(RunInfo(opt["--list"], opt["--target"], {"ops": "young"}, shard=opt["--shard"]))
         for m in range(i - 1, 6, n):
             outcome = "crash" if broken and m == 0 else "pass"
-            st.record(ResultRow(rid, f"tiny/m{m}", opt["--target"], {"ops": "young"}, outcome, arch="Bert"))
+            st.record(ResultRow(run_id=rid, model_id=f"tiny/m{m}", target=opt["--target"], settings={"ops": "young"}, outcome=outcome, arch="Bert"))
         st.finish_run(rid)
     sys.exit(0)
 from harness.cli import build_parser  # the real CLI wiring, minus main()'s eager torch import

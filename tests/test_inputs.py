@@ -7,8 +7,8 @@ import torch
 from transformers.modeling_outputs import BaseModelOutput
 
 from harness.models.inputs import default_recipe, make_inputs, needs_exact, output_tensors, vocab_size
-from harness.models.load import build_tiny
 from harness.models.model_list import ModelEntry
+from harness.models.tiny import build_tiny
 
 _CACHE: dict[tuple[str, str], torch.nn.Module] = {}
 

@@ -17,10 +17,10 @@ from harness.models.load import (
     LoadError,
     ModelNotFoundError,
     RemoteCodeRequiredError,
-    build_tiny,
     load_model,
 )
 from harness.models.model_list import ModelEntry
+from harness.models.tiny import build_tiny
 
 BERT = ModelEntry(id="tiny/bert/masked-lm", source="tiny", arch="bert", task="masked-lm")
 
@@ -144,7 +144,7 @@ def test_tiny_weights_identical_in_another_process(tiny_bert: torch.nn.Module) -
 
     code = (
         "import hashlib, torch\n"
-        "from harness.models.load import build_tiny\n"
+        "from harness.models.tiny import build_tiny\n"
         "m = build_tiny('bert', 'masked-lm', seed=0)\n"
         "h = hashlib.sha256()\n"
         "for k, v in sorted(m.state_dict().items()):\n"

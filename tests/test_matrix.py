@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 
 from harness.analysis.matrix import (
     export,
-    main_matrix,
     matrix,
     op_coverage,
     outcome_counts,
@@ -20,7 +18,9 @@ from harness.analysis.matrix import (
     settings_label,
     split_ops,
 )
-from harness.results.store import ResultRow, ResultStore, RunInfo
+from harness.cli import main as cli_main
+from harness.results.rows import ResultRow, RunInfo
+from harness.results.store import ResultStore
 
 YOUNG = {"precision": "default", "ops": "young"}
 MATURE = {"precision": "default", "ops": "mature"}
@@ -64,11 +64,11 @@ def db(tmp_path: Path) -> Path:
         for model, arch, task, modality, outcome, op in rows:
             st.record(
                 ResultRow(
-                    r1,
-                    model,
-                    "sim",
-                    YOUNG,
-                    outcome,
+                    run_id=r1,
+                    model_id=model,
+                    target="sim",
+                    settings=YOUNG,
+                    outcome=outcome,
                     arch=arch,
                     task=task,
                     modality=modality,
@@ -77,8 +77,8 @@ def db(tmp_path: Path) -> Path:
             )
         st.finish_run(r1)
         r2 = st.begin_run(RunInfo("smoke", "sim", MATURE, run_id="r2", started_at="2026-01-01T01:00:00Z"))
-        st.record(ResultRow(r2, "org/bert", "sim", MATURE, "pass", arch="BertModel"))
-        st.record(ResultRow(r2, "org/gpt2", "sim", MATURE, "pass", arch="GPT2LMHeadModel"))
+        st.record(ResultRow(run_id=r2, model_id="org/bert", target="sim", settings=MATURE, outcome="pass", arch="BertModel"))
+        st.record(ResultRow(run_id=r2, model_id="org/gpt2", target="sim", settings=MATURE, outcome="pass", arch="GPT2LMHeadModel"))
         st.finish_run(r2)
     return path
 
@@ -106,7 +106,7 @@ def test_matrix_pivot(db: Path) -> None:
 def test_matrix_latest_run_wins(db: Path) -> None:
     with ResultStore(db) as st:
         r3 = st.begin_run(RunInfo("smoke", "sim", YOUNG, run_id="r3", started_at="2026-01-02T00:00:00Z"))
-        st.record(ResultRow(r3, "org/t5", "sim", YOUNG, "pass"))
+        st.record(ResultRow(run_id=r3, model_id="org/t5", target="sim", settings=YOUNG, outcome="pass"))
     mat = matrix(_all(db))
     assert mat.loc["org/t5", "sim ops=young precision=default"] == "pass"
 
@@ -183,16 +183,14 @@ def test_export(db: Path, tmp_path: Path) -> None:
 
 def test_main_matrix(db: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "mat.csv"
-    rc = main_matrix(argparse.Namespace(db=str(db), run="r1", by="arch", out=str(out), ops=True))
+    rc = cli_main(["matrix", "--db", str(db), "--run", "r1", "--by", "arch", "--out", str(out), "--ops"])
     text = capsys.readouterr().out
     assert rc == 0 and out.exists()
     assert (
         "run r1" in text and "implement aten::upsample_bicubic2d -> +2 models" in text and "ViTModel" in text
     )
-    rc = main_matrix(argparse.Namespace(db=str(db), run="nope", by=None, out=None, ops=False))
+    rc = cli_main(["matrix", "--db", str(db), "--run", "nope"])
     assert rc == 2 and "unknown run id 'nope'" in capsys.readouterr().err
-    rc = main_matrix(
-        argparse.Namespace(db=str(tmp_path / "missing.db"), run=None, by=None, out=None, ops=False)
-    )
+    rc = cli_main(["matrix", "--db", str(tmp_path / "missing.db")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "missing.db").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import signal
@@ -14,17 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli import main as cli_main
 from harness.outcomes import OUTCOMES
-from harness.results.store import (
-    CollectiveRow,
-    ResultRow,
-    ResultStore,
-    RunInfo,
-    StoreError,
-    canonical_json,
-    main_merge,
-    merge_stores,
-)
+from harness.results.dbfile import StoreError
+from harness.results.merge import merge_stores
+from harness.results.rows import CollectiveRow, ResultRow, RunInfo
+from harness.results.store import ResultStore, canonical_json
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"precision": "default", "ops": "young"}
@@ -80,7 +74,7 @@ def test_upsert_settings_order_irrelevant(tmp_path: Path) -> None:
     with ResultStore(tmp_path / "r.db") as st:
         rid = st.begin_run(RunInfo("smoke", "sim", SETTINGS))
         st.record(_row(rid, "m", "crash"))
-        st.record(ResultRow(rid, "m", "sim", {"ops": "young", "precision": "default"}, "pass"))
+        st.record(ResultRow(run_id=rid, model_id="m", target="sim", settings={"ops": "young", "precision": "default"}, outcome="pass"))
         df = st.results(rid)
         assert list(df.outcome) == ["pass"]
         assert st.finished_ids(rid) == {"m"}
@@ -166,12 +160,13 @@ def test_empty_file_gets_schema(tmp_path: Path) -> None:
 _WRITER = textwrap.dedent(
     """
     import sys
-    from harness.results.store import ResultStore, ResultRow, RunInfo
+    from harness.results.rows import ResultRow, RunInfo
+    from harness.results.store import ResultStore
     st = ResultStore(sys.argv[1])
     rid = st.begin_run(RunInfo("smoke", "sim", {"ops": "young"}, run_id=sys.argv[2]))
     i = 0
     while True:
-        st.record(ResultRow(rid, f"{sys.argv[3]}-{i:05d}", "sim", {"ops": "young"}, "pass", traceback="x" * 2000))
+        st.record(ResultRow(run_id=rid, model_id=f"{sys.argv[3]}-{i:05d}", target="sim", settings={"ops": "young"}, outcome="pass", traceback="x" * 2000))
         print(f"{sys.argv[3]}-{i:05d}", flush=True)
         i += 1
     """
@@ -287,9 +282,9 @@ def test_merge_rejects_foreign_and_missing(tmp_path: Path, capsys: pytest.Captur
         merge_stores(out, [good, foreign])
     assert _digest(foreign) == before
     assert not out.exists()  # validated every source before creating anything
-    rc = main_merge(argparse.Namespace(out=str(out), dbs=[str(good), str(tmp_path / "nope.db")]))
+    rc = cli_main(["merge", "--out", str(out), str(good), str(tmp_path / "nope.db")])
     assert rc == 2 and "nope.db" in capsys.readouterr().err
-    rc = main_merge(argparse.Namespace(out=str(out), dbs=[str(good)]))
+    rc = cli_main(["merge", "--out", str(out), str(good)])
     assert rc == 0 and "merged 2 rows" in capsys.readouterr().out
     with pytest.raises(StoreError, match="also the destination"):
         merge_stores(good, [good])

@@ -20,7 +20,8 @@ from harness.report.build import (
     svg_histogram,
     write_synthetic_db,
 )
-from harness.results.store import CollectiveRow, ResultRow, ResultStore, RunInfo
+from harness.results.rows import CollectiveRow, ResultRow, RunInfo
+from harness.results.store import ResultStore
 
 S = {"ops": "young"}
 EVIL = "<script>alert('pwned')</script><img src=x onerror=alert(2)>"
@@ -59,17 +60,17 @@ def _scan(path: Path) -> _Scan:
 def _evil_db(path: Path) -> None:
     with ResultStore(path) as st:
         r1 = st.begin_run(RunInfo("smoke", "sim", S, run_id="r1", started_at="2026-01-01T00:00:00Z"))
-        st.record(ResultRow(r1, "org/<b>evil</b>", "sim", S, "pass", rmse_ratio=0.1))
-        st.record(ResultRow(r1, "../../etc/passwd", "sim", S, "pass"))
+        st.record(ResultRow(run_id=r1, model_id="org/<b>evil</b>", target="sim", settings=S, outcome="pass", rmse_ratio=0.1))
+        st.record(ResultRow(run_id=r1, model_id="../../etc/passwd", target="sim", settings=S, outcome="pass"))
         st.finish_run(r1)
         r2 = st.begin_run(RunInfo("smoke", "sim", S, run_id="r2", started_at="2026-01-02T00:00:00Z"))
         st.record(
             ResultRow(
-                r2,
-                "org/<b>evil</b>",
-                "sim",
-                S,
-                "crash",
+                run_id=r2,
+                model_id="org/<b>evil</b>",
+                target="sim",
+                settings=S,
+                outcome="crash",
                 arch=EVIL,
                 error_type="RuntimeError",
                 error_message=EVIL,
@@ -80,7 +81,7 @@ def _evil_db(path: Path) -> None:
                 attempts=[{"device": EVIL, "outcome": "crash", "exit_code": -11, "signal": 11}],
             )
         )
-        st.record(ResultRow(r2, "../../etc/passwd", "sim", S, "unsupported_op", unsupported_op="aten::x"))
+        st.record(ResultRow(run_id=r2, model_id="../../etc/passwd", target="sim", settings=S, outcome="unsupported_op", unsupported_op="aten::x"))
         st.finish_run(r2)
 
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from harness import zoo
+from harness.models import heads, shrink, tiny
 from harness.models.inputs import find_attr
 from harness.models.model_list import load_model_list
+from harness.run import zoo
 
 SAMPLE = ["bert", "gpt2", "llama", "t5", "whisper", "vit", "swin", "resnet", "qwen2_vl", "deepseek_v3",
           "gemma3", "mixtral", "wav2vec2", "clip", "mamba2"]
@@ -30,51 +31,51 @@ def walk(config: Any) -> list[Any]:
 
 @pytest.mark.parametrize("model_type", SAMPLE)
 def test_shrink_config_is_small_and_valid(model_type: str) -> None:
-    config = zoo.shrink_config(model_type)
+    config = tiny.shrink_config(model_type)
     for cfg in walk(config):
         for name in ("hidden_size", "d_model", "n_embd", "intermediate_size"):
             value = getattr(cfg, name, None)
             if isinstance(value, int):
-                assert value <= zoo.INTERMEDIATE, (cfg.model_type, name, value)
+                assert value <= shrink.INTERMEDIATE, (cfg.model_type, name, value)
         for name in ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers"):
             value = getattr(cfg, name, None)
             if isinstance(value, int):
                 assert value <= 4, (cfg.model_type, name, value)
         vocab = getattr(cfg, "vocab_size", None)
         if isinstance(vocab, int):
-            assert vocab <= zoo.VOCAB
+            assert vocab <= shrink.VOCAB
             for key, value in vars(cfg).items():
                 if key.endswith(("token_id", "token_index")) and isinstance(value, int):
-                    assert value < zoo.VOCAB, (cfg.model_type, key, value)
-    assert zoo.count_params("base", config) < zoo.MAX_PARAMS
+                    assert value < shrink.VOCAB, (cfg.model_type, key, value)
+    assert tiny.count_params("base", config) < zoo.MAX_PARAMS
 
 
 def test_shrink_is_deterministic() -> None:
-    assert zoo.shrink_config("qwen2_vl").to_dict() == zoo.shrink_config("qwen2_vl").to_dict()
+    assert tiny.shrink_config("qwen2_vl").to_dict() == tiny.shrink_config("qwen2_vl").to_dict()
 
 
 def test_shrink_keeps_every_layer_kind() -> None:
     """gemma3 alternates 5 sliding layers with 1 full one; both kinds must survive shrinking."""
-    text = zoo.shrink_config("gemma3").text_config
+    text = tiny.shrink_config("gemma3").text_config
     assert set(text.layer_types) == {"sliding_attention", "full_attention"}
     assert len(text.layer_types) == text.num_hidden_layers
 
 
 def test_shrink_rescales_dependent_fields() -> None:
-    mla = zoo.shrink_config("deepseek_v3")
+    mla = tiny.shrink_config("deepseek_v3")
     assert mla.head_dim == mla.qk_rope_head_dim and mla.qk_head_dim == mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    vl = zoo.shrink_config("qwen2_vl").text_config
+    vl = tiny.shrink_config("qwen2_vl").text_config
     assert sum(vl.rope_parameters["mrope_section"]) == vl.hidden_size // vl.num_attention_heads // 2
-    m2 = zoo.shrink_config("mamba2")
+    m2 = tiny.shrink_config("mamba2")
     assert m2.num_heads * m2.head_dim == m2.expand * m2.hidden_size
-    assert find_attr(zoo.shrink_config("llava"), "image_token_id", "image_token_index") < zoo.VOCAB
+    assert find_attr(tiny.shrink_config("llava"), "image_token_id", "image_token_index") < shrink.VOCAB
 
 
 def test_candidates_come_from_the_registry() -> None:
-    cands = zoo.candidates()
+    cands = heads.candidates()
     assert len(cands) > 1500 and cands == sorted(set(cands))
     assert ("bert", "masked-lm") in cands and ("whisper", "speech-seq2seq") in cands
-    assert {task for _, task in cands} <= set(zoo.HEADS)
+    assert {task for _, task in cands} <= set(heads.HEADS)
 
 
 @pytest.mark.parametrize("model_type, task", [("bert", "qa"), ("wav2vec2", "ctc"), ("encodec", "base")])
@@ -129,7 +130,7 @@ def test_generate_writes_a_loadable_list(tmp_path: Path) -> None:
 def test_committed_zoo_is_consistent() -> None:
     entries = load_model_list("tiny-zoo")
     assert len(entries) >= 1000
-    cands = set(zoo.candidates())
+    cands = set(heads.candidates())
     for e in entries:
         assert e.id == f"tiny/{e.arch}/{e.task}" and (e.arch, e.task) in cands
     assert [e.id for e in entries] == sorted(e.id for e in entries)

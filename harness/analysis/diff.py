@@ -13,13 +13,10 @@ conservative about what counts as a *target regression*:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fnmatch
-import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,8 @@ import pandas as pd
 
 from harness.analysis.matrix import with_config
 from harness.outcomes import REFERENCE_SIDE, severity
-from harness.results.store import ResultStore, StoreError
+from harness.results.dbfile import StoreError
+from harness.results.store import ResultStore
 
 DEFAULT_DRIFT_FACTOR = 2.0
 
@@ -317,51 +315,3 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     section("removed", res.removed)
     lines.append("\nRESULT: " + (f"{n_reg} regression(s)" if n_reg else "no regressions"))
     return "\n".join(lines)
-
-
-def add_diff_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness diff`` (for harness/cli.py to reuse)."""
-    parser.add_argument("--db", default=None, help="DB holding both runs (or the head run with --base-db)")
-    parser.add_argument("--base", default=None, help="base run id (default: previous comparable run)")
-    parser.add_argument("--head", default=None, help="head run id (default: latest run)")
-    parser.add_argument("--base-db", dest="base_db", default=None, help="DB of the base run (latest run)")
-    parser.add_argument("--head-db", dest="head_db", default=None, help="DB of the head run (latest run)")
-    parser.add_argument(
-        "--drift-factor",
-        dest="drift_factor",
-        type=float,
-        default=DEFAULT_DRIFT_FACTOR,
-        help="rmse_ratio growth that counts as a drift regression (default 2.0)",
-    )
-    parser.add_argument(
-        "--flaky-allowlist", dest="flaky_allowlist", default=None, help="known-flaky model ids file"
-    )
-    parser.add_argument("--json", action="store_true", help="print the diff as JSON")
-
-
-def main_diff(args: argparse.Namespace) -> int:
-    """CLI: 1 if the head regressed (CI gate), 0 otherwise, 2 on bad input (missing/corrupt DB, run)."""
-    try:
-        (base_id, base_df), (head_id, head_df) = resolve_runs(
-            db=getattr(args, "db", None),
-            base=getattr(args, "base", None),
-            head=getattr(args, "head", None),
-            base_db=getattr(args, "base_db", None),
-            head_db=getattr(args, "head_db", None),
-        )
-        res = diff_runs(
-            base_df,
-            head_df,
-            base_run=base_id,
-            head_run=head_id,
-            drift_factor=getattr(args, "drift_factor", None) or DEFAULT_DRIFT_FACTOR,
-            flaky_allowlist=load_allowlist(getattr(args, "flaky_allowlist", None)),
-        )
-    except (StoreError, FileNotFoundError, ValueError) as exc:
-        print(f"portharness diff: error: {exc}", file=sys.stderr)
-        return 2
-    if getattr(args, "json", False):
-        print(json.dumps(res.to_dict(), indent=1))
-    else:
-        print(format_summary(res))
-    return 1 if res.regressions else 0

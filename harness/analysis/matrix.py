@@ -7,20 +7,19 @@ asks each morning: which single missing op unblocks the most models?
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import math
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from harness.outcomes import OUTCOMES, REFERENCE_SIDE
-from harness.results.store import ResultStore, StoreError
+from harness.results.dbfile import StoreError
+from harness.results.store import ResultStore
 
 GROUP_KEYS = ("arch", "task", "modality")
 UNKNOWN = "(unknown)"
@@ -254,57 +253,3 @@ def export(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     else:
         raise ValueError(f"cannot export to {path}: unknown extension {ext!r}; use .csv, .json or .parquet")
     return path
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-
-def add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness matrix`` (for harness/cli.py to reuse)."""
-    parser.add_argument("--db", required=True, help="portharness SQLite DB")
-    parser.add_argument("--run", default=None, help="run id (default: latest run)")
-    parser.add_argument(
-        "--by", choices=GROUP_KEYS, default=None, help="also print pass rates grouped by this"
-    )
-    parser.add_argument("--out", default=None, help="export the matrix to .csv/.json/.parquet")
-    parser.add_argument("--ops", action="store_true", help="also print the missing-op ranking")
-    parser.add_argument("--opinfo", default=None, help="OpInfo conformance CSV joined into --ops")
-
-
-def _print_table(title: str, df: pd.DataFrame) -> None:
-    print(f"\n== {title} ==")
-    if df.empty:
-        print("(none)")
-        return
-    with pd.option_context("display.max_rows", None, "display.max_columns", None, "display.width", 200):
-        print(df.to_string())
-
-
-def main_matrix(args: argparse.Namespace) -> int:
-    """CLI: print the matrix (and pass rates / op ranking); 0 on success, 2 on a bad DB/run/file."""
-    try:
-        rid, df = load_results(args.db, getattr(args, "run", None))
-        mat = matrix(df)
-        counts = outcome_counts(df)
-        total = sum(counts.values())
-        rate = counts["pass"] / total if total else 0.0
-        print(f"run {rid}: {total} result(s), pass rate {rate:.1%}")
-        print("  " + "  ".join(f"{o}={n}" for o, n in counts.items() if n))
-        _print_table("matrix", mat)
-        if getattr(args, "by", None):
-            rates = pass_rates(df, args.by)
-            empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
-            _print_table(f"pass rate by {args.by}", rates.drop(columns=empty))
-        if getattr(args, "ops", False):
-            _print_table(
-                "missing ops (implement X -> +N models)", op_coverage(df, getattr(args, "opinfo", None))
-            )
-        if getattr(args, "out", None):
-            path = export(mat, args.out)
-            print(f"\nwrote {path}")
-    except (StoreError, FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"portharness matrix: error: {exc}", file=sys.stderr)
-        return 2
-    return 0

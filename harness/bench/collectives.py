@@ -32,13 +32,11 @@ not this benchmark's.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import math
 import os
 import shutil
-import sys
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -179,14 +177,14 @@ class Measurement:
         return asdict(self)
 
 
-def quantile(xs: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (numpy's default), ``q`` in [0, 1]."""
+def spread(xs: Sequence[float]) -> tuple[float, float, float]:
+    """(p10, median, p90), linearly interpolated (numpy's default method)."""
     if not xs:
         raise ValueError("quantile of no values")
-    v = sorted(xs)
-    pos = (len(v) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    deciles = statistics.quantiles(xs, n=10, method="inclusive")
+    return deciles[0], statistics.median(xs), deciles[-1]
 
 
 def summarize(
@@ -197,19 +195,12 @@ def summarize(
     for (op, size, name), ts in times.items():
         base = times[(op, size, baseline)]
         ratios = [t / b for t, b in zip(ts, base, strict=True) if b > 0]
+        p10, med, p90 = spread(ts)
+        r10, rmed, r90 = spread(ratios)
         out.append(
             Measurement(
-                op=op,
-                size_bytes=size,
-                setting=name,
-                settings=settings[name],
-                times_s=list(ts),
-                median_s=quantile(ts, 0.5),
-                p10_s=quantile(ts, 0.1),
-                p90_s=quantile(ts, 0.9),
-                ratio=quantile(ratios, 0.5),
-                ratio_p10=quantile(ratios, 0.1),
-                ratio_p90=quantile(ratios, 0.9),
+                op=op, size_bytes=size, setting=name, settings=settings[name], times_s=list(ts),
+                median_s=med, p10_s=p10, p90_s=p90, ratio=rmed, ratio_p10=r10, ratio_p90=r90,
             )
         )
     order = {n: i for i, n in enumerate(settings)}
@@ -305,7 +296,9 @@ def _ddp_setup(cfg: BenchConfig, specs: dict, rank: int, device, note: dict) -> 
     """One DDP-wrapped tiny GPT-2 per setting (bucket_cap_mb is fixed at construction)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config
+
+    from harness.models.tiny import build_from_config
 
     collective_settings = _simdist().collective_settings
 
@@ -318,8 +311,7 @@ def _ddp_setup(cfg: BenchConfig, specs: dict, rank: int, device, note: dict) -> 
     ids = torch.randint(0, DDP_CONFIG["vocab_size"], DDP_BATCH, generator=gen).to(device)
     steps = {}
     for name, s in specs.items():
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(GPT2Config(**DDP_CONFIG)).to(device)
+        model = build_from_config("causal-lm", GPT2Config(**DDP_CONFIG), seed=0).train().to(device)
         model.tie_weights()  # .to("sim") unties lm_head from wte (a new Parameter per module); re-tie
         note["ddp_params"] = sum(p.numel() for p in model.parameters())
         with collective_settings(s):
@@ -489,7 +481,7 @@ def run_benchmark(cfg: BenchConfig) -> BenchResult:
 
 def to_rows(result: BenchResult, run_id: str) -> list:
     """`CollectiveRow`s for `ResultStore.record_collective` (kind: collective)."""
-    from harness.results.store import CollectiveRow
+    from harness.results.rows import CollectiveRow
 
     cfg = result.config
     return [
@@ -517,7 +509,8 @@ def to_rows(result: BenchResult, run_id: str) -> list:
 
 def record(result: BenchResult, db: str | os.PathLike, argv: str = "") -> str:
     """Write the rows into the DB at ``db`` as one run (list ``collectives``); returns the run id."""
-    from harness.results.store import ResultStore, RunInfo
+    from harness.results.rows import RunInfo
+    from harness.results.store import ResultStore
 
     cfg = result.config
     with ResultStore(db) as store:
@@ -601,102 +594,20 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(out)
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Map the CLI's attributes (target, world_size, sizes, repeats, settings, ddp) onto a config."""
-    sizes = getattr(args, "sizes", None)
-    settings = getattr(args, "settings", None)
-    if isinstance(settings, str):
-        settings = [s for s in settings.split(",") if s.strip()]
-    if sizes is not None:
-        parse_size = _simdist().parse_size
-
-        sizes = [parse_size(s) if isinstance(s, str) else s for s in sizes]
-    repeats = getattr(args, "repeats", None)
-    return BenchConfig(
-        target=getattr(args, "target", None) or "sim",
-        world_size=getattr(args, "world_size", None) or 2,
-        sizes=list(sizes) if sizes else list(DEFAULT_SIZES),
-        settings=[s.strip() for s in settings] if settings else list(DEFAULT_SETTINGS),
-        repeats=repeats if repeats is not None else DEFAULT_REPEATS,
-        warmup=getattr(args, "warmup", None) if getattr(args, "warmup", None) is not None else DEFAULT_WARMUP,
-        ddp=bool(getattr(args, "ddp", True)),
-    )
+def parse_sizes(text: str) -> list[int]:
+    """'4k,1m,4096' -> byte counts (k/m suffixes, as the sim collective settings take them)."""
+    return [_simdist().parse_size(x.strip()) for x in text.split(",") if x.strip()]
 
 
-def main_collectives(args: argparse.Namespace) -> int:
-    """CLI: ``portharness collectives --target sim --world-size 2 ...``; 0 ok, 2 bad arguments, 1 failure."""
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()
-    except ValueError as exc:
-        print(f"portharness collectives: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        result = run_benchmark(cfg)
-    except Exception as exc:  # a rank died: spawn re-raises its traceback
-        print(f"portharness collectives: benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    db = getattr(args, "db", None)
-    run_id = None
-    if db:
-        from harness.results.store import StoreError
-
-        try:
-            run_id = record(result, db, argv=" ".join(sys.argv))
-        except StoreError as exc:
-            print(f"portharness collectives: error: {exc}", file=sys.stderr)
-            return 2
-    if getattr(args, "json", False):
-        payload = {
-            "target": cfg.target,
-            "backend": result.backend,
-            "world_size": cfg.world_size,
-            "baseline": BASELINE,
-            "run_id": run_id,
-            "note": result.note,
-            "rows": [m.as_dict() for m in result.measurements],
-        }
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_table(result))
-        if run_id:
-            print(f"recorded run {run_id} in {db}")
-    return 0
-
-
-def add_collectives_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness collectives`` (for harness/cli.py to reuse)."""
-    SETTING_GRAMMAR = _simdist().SETTING_GRAMMAR
-    parse_size = _simdist().parse_size
-
-    parser.add_argument("--target", default="sim", choices=sorted(TARGETS))
-    parser.add_argument("--world-size", type=int, default=2, dest="world_size")
-    parser.add_argument(
-        "--sizes",
-        type=lambda s: [parse_size(x) for x in s.split(",")],
-        default=None,
-        help="comma-separated byte counts, k/m suffixes allowed (default 4k,64k,1m,16m)",
-    )
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
-    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP)
-    parser.add_argument(
-        "--settings",
-        type=lambda s: s.split(","),
-        default=None,
-        help=f"comma-separated settings (default {','.join(DEFAULT_SETTINGS)}); {SETTING_GRAMMAR}",
-    )
-    parser.add_argument("--db", default=None, help="record rows into this portharness DB")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP step")
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.bench.collectives", description=__doc__.splitlines()[0]
-    )
-    add_collectives_arguments(parser)
-    return main_collectives(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
+def as_json(result: BenchResult, run_id: str | None) -> dict:
+    """The `--json` payload: config, where it ran, and every measurement."""
+    cfg = result.config
+    return {
+        "target": cfg.target,
+        "backend": result.backend,
+        "world_size": cfg.world_size,
+        "baseline": BASELINE,
+        "run_id": run_id,
+        "note": result.note,
+        "rows": [m.as_dict() for m in result.measurements],
+    }

@@ -10,15 +10,15 @@ machine (no network, no cache, remote code).
 from __future__ import annotations
 
 import os
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from harness.models.heads import auto_class
 from harness.models.model_list import ModelEntry
+from harness.models.tiny import build_tiny
 
 
 class LoadError(RuntimeError):
@@ -62,39 +62,6 @@ def _offline() -> bool:
         os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
         for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
-
-
-def build_tiny(
-    arch: str,
-    task: str,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    attn_implementation: str | None = None,
-) -> torch.nn.Module:
-    """Instantiate the tiny ``arch`` model with head ``task`` and seeded random weights.
-
-    The global RNG is seeded for construction and restored afterwards, so callers' randomness
-    is unaffected and two calls with one seed give identical weights.
-    """
-    from harness.models.zoo import auto_class, tiny_config
-
-    config = tiny_config(arch, task)
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    py_state, np_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            # a few initialisers draw from Python's or NumPy's RNG instead of torch's
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            model = auto_class(task).from_config(config, **kwargs)
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-    return model.eval()
 
 
 def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | None) -> LoadError:
@@ -148,8 +115,6 @@ def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | 
 def _from_pretrained(
     entry: ModelEntry, name: str, dtype: torch.dtype, attn_implementation: str | None
 ) -> Any:
-    from harness.models.zoo import auto_class
-
     kwargs: dict[str, Any] = {
         "dtype": dtype,
         "trust_remote_code": entry.trust_remote_code,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.models.heads import HEADS
+
 COLUMNS = (
     "id",
     "source",
@@ -163,8 +165,6 @@ def _parse_inputs(value: str, where: str) -> dict[str, Any]:
 
 
 def _row_to_entry(cells: dict[str, str], where: str, base_dir: Path) -> ModelEntry:
-    from harness.models.zoo import HEADS
-
     model_id = cells.get("id", "").strip()
     if not model_id:
         raise ModelListError(f"{where}: empty id, every row needs an id")

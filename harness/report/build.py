@@ -35,14 +35,9 @@ from harness import __version__
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
 from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
 from harness.outcomes import COLOURS, OUTCOMES, REFERENCE_SIDE
-from harness.results.store import (
-    CollectiveRow,
-    ResultRow,
-    ResultStore,
-    RunInfo,
-    StoreError,
-    utc_now,
-)
+from harness.results.dbfile import StoreError
+from harness.results.rows import CollectiveRow, ResultRow, RunInfo, utc_now
+from harness.results.store import ResultStore
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"

@@ -6,132 +6,46 @@ known, so a crash, an OOM-kill or ``kill -9`` of the runner never loses finished
 run can skip what is done. WAL journaling gives that with concurrent readers and a writer at a time
 (``busy_timeout`` makes writers queue rather than fail).
 
-The store refuses to touch any file that is not one of ours (random bytes, another application's
-SQLite DB, a DB written by a newer schema): it raises :class:`StoreError` naming the file and what to
-do, and never truncates or rewrites it.
+Columns come from the row dataclasses in `rows.py` (their real types, not guesses). A DB written
+before a column existed gets it added when opened for writing; readers of older or read-only DBs
+see the missing columns as empty. Files that are not ours are refused by `dbfile.inspect`.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import datetime as _dt
-import functools
-import importlib.metadata
 import json
 import math
 import os
-import secrets
 import socket
 import sqlite3
-import sys
 import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from harness import outcomes
+from harness.results.dbfile import (
+    APP_NAME,
+    BUSY_TIMEOUT_MS,
+    SCHEMA_VERSION,
+    StoreError,
+    connect_read_only,
+    inspect,
+)
+from harness.results.rows import (
+    CollectiveRow,
+    ResultRow,
+    RunInfo,
+    column_types,
+    field_names,
+    new_run_id,
+    utc_now,
+    versions,
+)
 
-
-APP_NAME = "portharness"
-SCHEMA_VERSION = 1
-SQLITE_HEADER = b"SQLite format 3\x00"
-BUSY_TIMEOUT_MS = 60_000
-
-
-class StoreError(RuntimeError):
-    """The DB file cannot be used as a portharness store (corrupt, foreign, newer schema, missing)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Row types
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunInfo:
-    """One invocation of the runner over a model list for one target and settings."""
-
-    list_name: str
-    target: str
-    settings: dict
-    shard: str = "1/1"
-    argv: str = ""
-    run_id: str = ""
-    started_at: str = ""
-    torch_version: str = ""
-    transformers_version: str = ""
-    harness_version: str = ""
-    host: str = ""
-
-
-@dataclass
-class ResultRow:
-    """The classified outcome of one model on one target with one settings dict."""
-
-    run_id: str
-    model_id: str
-    target: str
-    settings: dict
-    outcome: str
-    arch: str = ""
-    task: str = ""
-    modality: str = ""
-    unsupported_op: str = ""
-    error_type: str = ""
-    error_message: str = ""
-    traceback: str = ""
-    first_drift_module: str = ""
-    first_drift_module_type: str = ""
-    max_abs_err: float | None = None
-    max_rel_err: float | None = None
-    min_cosine: float | None = None
-    rmse_ratio: float | None = None
-    metrics: dict = field(default_factory=dict)
-    device: str = ""
-    attempts: list = field(default_factory=list)
-    exit_code: int | None = None
-    signal: int | None = None
-    load_time_s: float | None = None
-    ref_time_s: float | None = None
-    target_time_s: float | None = None
-    wall_time_s: float | None = None
-    peak_rss_mb: float | None = None
-    torch_version: str = ""
-    transformers_version: str = ""
-    harness_version: str = ""
-    finished_at: str = ""
-
-
-@dataclass
-class CollectiveRow:
-    """Timing of one collective op at one size and setting, relative to a baseline setting."""
-
-    run_id: str
-    target: str
-    backend: str
-    world_size: int
-    op: str
-    size_bytes: int
-    setting: str
-    settings: dict
-    baseline_setting: str
-    median_s: float
-    p10_s: float
-    p90_s: float
-    repeats: int
-    ratio: float | None
-    ratio_p10: float | None
-    ratio_p90: float | None
-    finished_at: str = ""
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
+__all__ = ["ResultStore", "StoreError", "canonical_json", "TABLES"]
 
 
 def _json_default(obj: Any) -> Any:
@@ -155,80 +69,39 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_json_default)
 
 
-def utc_now() -> str:
-    """ISO-8601 UTC timestamp with seconds, sortable as text."""
-    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+@dataclass(frozen=True)
+class Table:
+    name: str
+    row: type
+    key: tuple[str, ...]
+
+    @property
+    def types(self) -> dict[str, type]:
+        return column_types(self.row)
+
+    @property
+    def columns(self) -> list[str]:
+        return field_names(self.row)
 
 
-def new_run_id() -> str:
-    """UTC timestamp plus a short random suffix: sortable by time and unique across shards."""
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"{stamp}-{secrets.token_hex(3)}"
+RESULTS = Table("results", ResultRow, ("run_id", "model_id", "target", "settings"))
+COLLECTIVES = Table(
+    "collectives", CollectiveRow, ("run_id", "target", "backend", "world_size", "op", "size_bytes", "setting", "settings")
+)
+TABLES = {t.name: t for t in (RESULTS, COLLECTIVES)}
+_SQL = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
+RUN_COLUMNS = [*field_names(RunInfo), "finished_at"]
 
 
-def _dist_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
+def _create_sql(t: Table) -> str:
+    cols = [f"{c} {_SQL[typ]}{' NOT NULL' if c in t.key else ''}" for c, typ in t.types.items()]
+    cols.append(f"PRIMARY KEY ({', '.join(t.key)})")
+    return f"CREATE TABLE IF NOT EXISTS {t.name} (\n  " + ",\n  ".join(cols) + "\n)"
 
 
-@functools.lru_cache(maxsize=1)
-def _versions() -> dict[str, str]:
-    """Versions without importing torch/transformers (importing torch costs seconds per process)."""
-    from harness import __version__
-
-    return {
-        "torch_version": _dist_version("torch"),
-        "transformers_version": _dist_version("transformers"),
-        "harness_version": __version__,
-    }
-
-
-def _sql_type(f: dataclasses.Field) -> str:
-    t = str(f.type)
-    if t.startswith("dict") or t.startswith("list"):
-        return "TEXT"  # JSON
-    if "float" in t:
-        return "REAL"
-    if "int" in t:
-        return "INTEGER"
-    return "TEXT"
-
-
-def _json_fields(cls: type) -> set[str]:
-    return {
-        f.name
-        for f in dataclasses.fields(cls)
-        if _sql_type(f) == "TEXT" and str(f.type)[:4] in ("dict", "list")
-    }
-
-
-RUN_FIELDS = [f.name for f in dataclasses.fields(RunInfo)]
-RESULT_FIELDS = [f.name for f in dataclasses.fields(ResultRow)]
-COLLECTIVE_FIELDS = [f.name for f in dataclasses.fields(CollectiveRow)]
-RESULT_KEY = ("run_id", "model_id", "target", "settings")
-COLLECTIVE_KEY = ("run_id", "target", "backend", "world_size", "op", "size_bytes", "setting", "settings")
-_RESULT_JSON = _json_fields(ResultRow)
-_REAL_COLUMNS = {
-    f.name for cls in (ResultRow, CollectiveRow) for f in dataclasses.fields(cls) if _sql_type(f) == "REAL"
-}
-_COLLECTIVE_JSON = _json_fields(CollectiveRow)
-
-
-def _columns_sql(cls: type, key: Sequence[str]) -> str:
-    cols = []
-    for f in dataclasses.fields(cls):
-        typ = _sql_type(f)
-        notnull = " NOT NULL" if f.name in key else ""
-        cols.append(f"{f.name} {typ}{notnull}")
-    cols.append(f"PRIMARY KEY ({', '.join(key)})")
-    return ",\n  ".join(cols)
-
-
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
+_SCHEMA = [
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS runs (
   run_id TEXT PRIMARY KEY,
   list_name TEXT NOT NULL,
   target TEXT NOT NULL,
@@ -241,45 +114,29 @@ CREATE TABLE IF NOT EXISTS runs (
   transformers_version TEXT NOT NULL DEFAULT '',
   harness_version TEXT NOT NULL DEFAULT '',
   host TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS results (
-  {_columns_sql(ResultRow, RESULT_KEY)}
-);
-CREATE INDEX IF NOT EXISTS results_model ON results (model_id);
-CREATE TABLE IF NOT EXISTS collectives (
-  {_columns_sql(CollectiveRow, COLLECTIVE_KEY)}
-);
-"""
+)""",
+    _create_sql(RESULTS),
+    "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
+    _create_sql(COLLECTIVES),
+]
 
 
-def _clean_float(v: Any) -> float | None:
-    if v is None:
-        return None
-    return float(v)
-
-
-def _clean_int(v: Any) -> int | None:
-    if v is None:
-        return None
-    return int(v)
-
-
-def _encode(row: Any, json_fields: set[str]) -> dict[str, Any]:
-    """Turn a row dataclass into SQL parameters (JSON for dicts/lists, plain floats/ints)."""
+def _encode(row: Any, table: Table | None = None) -> dict[str, Any]:
+    """A row dataclass as SQL parameters: JSON for dicts/lists, 0/1 for bools, plain numbers."""
+    types = table.types if table is not None else column_types(type(row))
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(row):
-        v = getattr(row, f.name)
-        typ = _sql_type(f)
-        if f.name == "settings" or f.name in json_fields:
-            if f.name == "settings" and not isinstance(v, dict):
-                raise TypeError(f"{type(row).__name__}.settings must be a dict, got {type(v).__name__}")
-            out[f.name] = canonical_json(v if v is not None else ({} if "dict" in str(f.type) else []))
-        elif typ == "REAL":
-            out[f.name] = _clean_float(v)
-        elif typ == "INTEGER":
-            out[f.name] = _clean_int(v)
+    for name, typ in types.items():
+        v = getattr(row, name)
+        if name == "settings" and not isinstance(v, dict):
+            raise TypeError(f"{type(row).__name__}.settings must be a dict, got {type(v).__name__}")
+        if typ in (dict, list):
+            out[name] = canonical_json(v if v is not None else typ())
+        elif v is None:
+            out[name] = None if typ in (int, float) else ("" if typ is str else 0)
+        elif typ is bool:
+            out[name] = int(bool(v))
         else:
-            out[f.name] = "" if v is None else str(v)
+            out[name] = typ(v)
     return out
 
 
@@ -289,76 +146,12 @@ def _decode_json(text: Any) -> Any:
     return json.loads(text)
 
 
-# ----------------------------------------------------------------------------------------------
-# File validation
-# ----------------------------------------------------------------------------------------------
-
-
-def _inspect_file(path: Path) -> str:
-    """Classify ``path`` without writing to it: 'missing', 'empty', 'ours', or raise StoreError."""
-    if not path.exists():
-        return "missing"
-    if path.is_dir():
-        raise StoreError(f"{path} is a directory, not a portharness DB file; pass a file path with --db.")
-    size = path.stat().st_size
-    if size == 0:
-        return "empty"
-    with open(path, "rb") as fh:
-        header = fh.read(len(SQLITE_HEADER))
-    if header != SQLITE_HEADER:
-        raise StoreError(
-            f"{path} is not an SQLite database (bad header; the file is corrupt or not a DB). "
-            "It was left untouched; move it aside or pass another --db path."
-        )
-    try:
-        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
-    except sqlite3.Error as exc:
-        raise StoreError(f"{path} cannot be opened as SQLite ({exc}); it was left untouched.") from exc
-    try:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        if not tables:
-            return "empty"
-        if "meta" not in tables:
-            raise StoreError(
-                f"{path} is an SQLite database of another application (tables: {', '.join(sorted(tables))}); "
-                "it was left untouched. Pass a new or portharness --db path."
-            )
-        meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
-    except sqlite3.DatabaseError as exc:
-        raise StoreError(
-            f"{path} is a corrupt SQLite database ({exc}); it was left untouched. "
-            "Restore it from a backup/artifact or pass another --db path."
-        ) from exc
-    finally:
-        con.close()
-    if meta.get("app") != APP_NAME:
-        raise StoreError(
-            f"{path} has a 'meta' table but is not a portharness DB (app={meta.get('app')!r}); "
-            "it was left untouched. Pass a new or portharness --db path."
-        )
-    try:
-        version = int(meta.get("schema_version", ""))
-    except ValueError as exc:
-        raise StoreError(f"{path}: unreadable schema_version {meta.get('schema_version')!r}.") from exc
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"{path} was written by a newer portharness (schema {version} > {SCHEMA_VERSION} supported); "
-            "it was left untouched. Upgrade portharness to read it."
-        )
-    return "ours"
-
-
-# ----------------------------------------------------------------------------------------------
-# The store
-# ----------------------------------------------------------------------------------------------
-
-
 class ResultStore:
     """A portharness SQLite DB. Safe for several processes; each ``record`` is committed at once."""
 
     def __init__(self, path: str | os.PathLike, *, create: bool = True) -> None:
         self.path = Path(path)
-        state = _inspect_file(self.path)
+        state = inspect(self.path)
         if state == "missing" and not create:
             raise StoreError(f"{self.path} does not exist; run `portharness run --db {self.path}` first.")
         if state == "missing" and not self.path.parent.exists():
@@ -372,13 +165,7 @@ class ResultStore:
         )
         try:
             if self.read_only:
-                self._con = sqlite3.connect(
-                    f"{self.path.resolve().as_uri()}?mode=ro",
-                    uri=True,
-                    timeout=BUSY_TIMEOUT_MS / 1000,
-                    isolation_level=None,
-                    check_same_thread=False,
-                )
+                self._con = connect_read_only(self.path)
                 self._con.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
                 return
             self._con = sqlite3.connect(
@@ -387,6 +174,8 @@ class ResultStore:
             self._con.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             if state != "ours":
                 self._create_schema()
+            else:
+                self._add_missing_columns()
             self._set_wal()
             self._con.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.DatabaseError as exc:
@@ -416,9 +205,8 @@ class ResultStore:
                 }
                 if tables and "meta" not in tables:
                     raise StoreError(f"{self.path} became a foreign SQLite DB while opening; left untouched.")
-                for stmt in _SCHEMA.split(";"):
-                    if stmt.strip():
-                        self._con.execute(stmt)
+                for stmt in _SCHEMA:
+                    self._con.execute(stmt)
                 self._con.execute("INSERT OR IGNORE INTO meta VALUES ('app', ?)", (APP_NAME,))
                 self._con.execute(
                     "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
@@ -429,6 +217,18 @@ class ResultStore:
                 if self._con.in_transaction:
                     self._con.execute("ROLLBACK")
                 raise
+
+    def _add_missing_columns(self) -> None:
+        """Columns added since the DB was created: ADD COLUMN keeps every existing row as it is."""
+        for t in TABLES.values():
+            have = {r[1] for r in self._con.execute(f"PRAGMA table_info({t.name})")}
+            for c, typ in t.types.items():
+                if c not in have:
+                    try:
+                        self._con.execute(f"ALTER TABLE {t.name} ADD COLUMN {c} {_SQL[typ]}")
+                    except sqlite3.OperationalError as exc:  # another process added it first
+                        if "duplicate column" not in str(exc):
+                            raise
 
     def _write(self, sql: str, params: Any = (), many: bool = False) -> None:
         if self.read_only:
@@ -467,12 +267,12 @@ class ResultStore:
             info.run_id = new_run_id()
         if not info.started_at:
             info.started_at = utc_now()
-        for key, value in _versions().items():
+        for key, value in versions().items():
             if not getattr(info, key):
                 setattr(info, key, value)
         if not info.host:
             info.host = socket.gethostname()
-        p = _encode(info, set())
+        p = _encode(info)
         cols = ", ".join(p)
         # Atomic: several shards/workers may begin (or resume) the same run id at once. A resumed run keeps
         # its original start and metadata and is marked unfinished again.
@@ -547,17 +347,10 @@ class ResultStore:
         self._require_run(row.run_id)
         if not row.finished_at:
             row.finished_at = utc_now()
-        for key, value in _versions().items():
+        for key, value in versions().items():
             if not getattr(row, key):
                 setattr(row, key, value)
-        p = _encode(row, _RESULT_JSON)
-        cols = ", ".join(p)
-        updates = ", ".join(f"{c}=excluded.{c}" for c in p if c not in RESULT_KEY)
-        self._write(
-            f"INSERT INTO results ({cols}) VALUES ({', '.join('?' * len(p))}) "
-            f"ON CONFLICT ({', '.join(RESULT_KEY)}) DO UPDATE SET {updates}",
-            list(p.values()),
-        )
+        self._upsert(RESULTS, [_encode(row, RESULTS)])
 
     def finished_ids(self, run_id: str) -> set[str]:
         """Model ids that already have a row in ``run_id`` (any outcome): what a resumed run skips."""
@@ -568,14 +361,23 @@ class ResultStore:
         self._require_run(row.run_id)
         if not row.finished_at:
             row.finished_at = utc_now()
-        p = _encode(row, _COLLECTIVE_JSON)
-        cols = ", ".join(p)
-        updates = ", ".join(f"{c}=excluded.{c}" for c in p if c not in COLLECTIVE_KEY)
-        self._write(
-            f"INSERT INTO collectives ({cols}) VALUES ({', '.join('?' * len(p))}) "
-            f"ON CONFLICT ({', '.join(COLLECTIVE_KEY)}) DO UPDATE SET {updates}",
-            list(p.values()),
+        self._upsert(COLLECTIVES, [_encode(row, COLLECTIVES)])
+
+    def _upsert(self, t: Table, rows: list[dict[str, Any]]) -> None:
+        """Insert encoded rows, replacing rows with the same key; all-or-nothing, committed on return."""
+        if not rows:
+            return
+        cols = t.columns
+        updates = ", ".join(f"{c}=excluded.{c}" for c in cols if c not in t.key)
+        sql = (
+            f"INSERT INTO {t.name} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+            f"ON CONFLICT ({', '.join(t.key)}) DO UPDATE SET {updates}"
         )
+        params = [[r.get(c) for c in cols] for r in rows]
+        if len(params) == 1:
+            self._write(sql, params[0])
+        else:
+            self._write(sql, params, many=True)
 
     # -- frames ------------------------------------------------------------------------------
 
@@ -586,7 +388,7 @@ class ResultStore:
             "(SELECT COUNT(*) FROM collectives c WHERE c.run_id=r.run_id) AS n_collectives "
             "FROM runs r ORDER BY r.started_at DESC, r.rowid DESC"
         )
-        return _frame(rows, [*RUN_FIELDS, "finished_at", "n_results", "n_collectives"], set())
+        return _frame(rows, [*RUN_COLUMNS, "n_results", "n_collectives"], {})
 
     def results(self, run_id: str | None = None) -> pd.DataFrame:
         """Result rows (all runs if ``run_id`` is None) with dict/list columns decoded.
@@ -605,7 +407,7 @@ class ResultStore:
                 "SELECT x.*, r.started_at AS run_started_at FROM results x JOIN runs r USING (run_id) "
                 "ORDER BY r.started_at, x.model_id"
             )
-        return _frame(rows, [*RESULT_FIELDS, "run_started_at"], _RESULT_JSON)
+        return _frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types)
 
     def history(self, model_id: str | None = None) -> pd.DataFrame:
         """Light per-run outcome history (no tracebacks/metrics), oldest run first: cheap across many nights."""
@@ -626,7 +428,7 @@ class ResultStore:
             "error_type",
             "unsupported_op",
         ]
-        return _frame(rows, [*names, "run_started_at", "list_name"], set())
+        return _frame(rows, [*names, "run_started_at", "list_name"], {})
 
     def collectives(self, run_id: str | None = None) -> pd.DataFrame:
         """Collective benchmark rows (all runs if ``run_id`` is None), settings decoded."""
@@ -637,12 +439,28 @@ class ResultStore:
             )
         else:
             rows = self._query("SELECT * FROM collectives ORDER BY run_id, op, size_bytes, setting")
-        return _frame(rows, COLLECTIVE_FIELDS, _COLLECTIVE_JSON)
+        return _frame(rows, COLLECTIVES.columns, COLLECTIVES.types)
 
-    # -- raw access for merge ------------------------------------------------------------------
+    # -- whole tables, as stored (for merge) -----------------------------------------------------
 
-    def _raw(self, table: str) -> list[dict[str, Any]]:
-        return self._query(f"SELECT * FROM {table}")
+    def raw_runs(self) -> list[dict[str, Any]]:
+        """Every `runs` row as stored (settings as canonical JSON text)."""
+        return [{c: r.get(c) for c in RUN_COLUMNS} for r in self._query("SELECT * FROM runs")]
+
+    def raw_rows(self, table: str) -> list[dict[str, Any]]:
+        """Every row of `results` or `collectives` as stored; columns this DB predates are None."""
+        t = TABLES[table]
+        return [{c: r.get(c) for c in t.columns} for r in self._query(f"SELECT * FROM {t.name}")]
+
+    def put_raw_runs(self, runs: list[dict[str, Any]]) -> None:
+        """Insert or replace stored-form `runs` rows (merge writes combined shard runs this way)."""
+        if runs:
+            sql = f"INSERT OR REPLACE INTO runs ({', '.join(RUN_COLUMNS)}) VALUES ({', '.join('?' * len(RUN_COLUMNS))})"
+            self._write(sql, [[r.get(c) for c in RUN_COLUMNS] for r in runs], many=True)
+
+    def put_raw_rows(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Upsert stored-form rows into `results` or `collectives` in one transaction."""
+        self._upsert(TABLES[table], rows)
 
     def close(self) -> None:
         """Close the connection (idempotent)."""
@@ -662,153 +480,28 @@ class ResultStore:
         return f"ResultStore({str(self.path)!r})"
 
 
-def _frame(rows: list[dict[str, Any]], columns: list[str], json_fields: set[str]) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=columns if not rows else None)
+
+
+def _frame(rows: list[dict[str, Any]], columns: list[str], types: dict[str, type]) -> pd.DataFrame:
+    """Rows as a frame with every expected column (None where an older DB lacks it), JSON decoded."""
+    df = pd.DataFrame(rows)
+    for c in columns:
+        if c not in df.columns:
+            df[c] = pd.Series([None] * len(df), dtype=object)
+    df = df[columns + [c for c in df.columns if c not in columns]]
     if df.empty:
-        df = pd.DataFrame({c: pd.Series(dtype=object) for c in columns})
+        df = pd.DataFrame({c: pd.Series(dtype=object) for c in df.columns})
         df["settings_json"] = pd.Series(dtype=object)
         return df
     df["settings_json"] = df["settings"]
     df["settings"] = df["settings"].map(_decode_json)
-    for col in json_fields - {"settings"}:
-        if col in df:
+    for col, typ in types.items():
+        if col == "settings" or col not in df:
+            continue
+        if typ in (dict, list):
             df[col] = df[col].map(_decode_json)
-    for col in _REAL_COLUMNS & set(df.columns):
-        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
+        elif typ is float:
+            df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
+        elif typ is bool:
+            df[col] = df[col].map(lambda v: bool(v) if v is not None and v == v else False)
     return df
-
-
-# ----------------------------------------------------------------------------------------------
-# Merge
-# ----------------------------------------------------------------------------------------------
-
-
-def _parse_shard(shard: str) -> tuple[int, int] | None:
-    try:
-        i, n = shard.split("/")
-        return int(i), int(n)
-    except (ValueError, AttributeError):
-        return None
-
-
-def _combine_run_ids(runs: list[dict[str, Any]]) -> dict[str, str]:
-    """Map shard run ids onto one run id per (list, target, settings, N) when the shards are distinct.
-
-    Each nightly shard starts its own run; merged, they form one night. Shards of the same group
-    are combined only when every shard index appears once, so two nights are never mixed up.
-    """
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in runs:
-        parsed = _parse_shard(r["shard"])
-        if parsed is None or parsed[1] <= 1:
-            continue
-        groups.setdefault((r["list_name"], r["target"], r["settings"], parsed[1]), []).append(r)
-    mapping: dict[str, str] = {}
-    for members in groups.values():
-        ids = {m["run_id"] for m in members}
-        if len(ids) < 2:
-            continue
-        indices = [_parse_shard(m["shard"])[0] for m in members]  # type: ignore[index]
-        if len(indices) != len(set(indices)):
-            continue
-        first = min(members, key=lambda m: (m["started_at"], m["run_id"]))
-        for m in members:
-            mapping[m["run_id"]] = first["run_id"]
-    return mapping
-
-
-def _merged_run(rows: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
-    base = dict(min(rows, key=lambda r: (r["started_at"], r["run_id"])))
-    base["run_id"] = run_id
-    parsed = [_parse_shard(r["shard"]) for r in rows]
-    if all(parsed) and len({p[1] for p in parsed}) == 1 and len(rows) > 1:  # type: ignore[index]
-        n = parsed[0][1]  # type: ignore[index]
-        idx = sorted({p[0] for p in parsed})  # type: ignore[index]
-        base["shard"] = "1/1" if idx == list(range(1, n + 1)) else f"{','.join(map(str, idx))}/{n}"
-    finished = [r["finished_at"] for r in rows]
-    base["finished_at"] = "" if any(not f for f in finished) else max(finished)
-    return base
-
-
-def merge_stores(
-    dst: str | os.PathLike, srcs: Iterable[str | os.PathLike], *, combine_shards: bool = True
-) -> int:
-    """Merge shard DBs into ``dst`` (created if needed); returns result + collective rows merged.
-
-    Every source is validated first (missing, corrupt, foreign -> StoreError, nothing written).
-    With ``combine_shards`` the per-shard runs of one night become one run, so the matrix, report and
-    diff see the whole night; rows of the same key are upserted (later sources win).
-    """
-    dst_path = Path(dst)
-    src_paths = [Path(s) for s in srcs]
-    if not src_paths:
-        raise StoreError("merge: no source DBs given.")
-    for s in src_paths:
-        if s.exists() and dst_path.exists() and s.resolve() == dst_path.resolve():
-            raise StoreError(f"merge: source {s} is also the destination; pass a different --out.")
-    opened = []
-    try:
-        for s in src_paths:
-            opened.append(ResultStore(s, create=False))
-        runs = [r for st in opened for r in st._raw("runs")]
-        mapping = _combine_run_ids(runs) if combine_shards else {}
-        with ResultStore(dst_path, create=True) as out:
-            existing = {r["run_id"]: r for r in out._raw("runs")}
-            by_id: dict[str, list[dict[str, Any]]] = {}
-            for r in runs:
-                by_id.setdefault(mapping.get(r["run_id"], r["run_id"]), []).append(r)
-            for rid, rows in by_id.items():
-                if rid in existing:
-                    rows = [existing[rid], *rows]
-                merged = _merged_run(rows, rid)
-                cols = list(merged)
-                out._write(
-                    f"INSERT OR REPLACE INTO runs ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                    [merged[c] for c in cols],
-                )
-            n = 0
-            for st in opened:
-                for table, fields in (("results", RESULT_FIELDS), ("collectives", COLLECTIVE_FIELDS)):
-                    rows = st._raw(table)
-                    for r in rows:
-                        r["run_id"] = mapping.get(r["run_id"], r["run_id"])
-                    if not rows:
-                        continue
-                    out._write(
-                        f"INSERT OR REPLACE INTO {table} ({', '.join(fields)}) VALUES ({', '.join('?' * len(fields))})",
-                        [[r.get(c) for c in fields] for r in rows],
-                        many=True,
-                    )
-                    n += len(rows)
-        return n
-    finally:
-        for st in opened:
-            st.close()
-
-
-def main_merge(args: argparse.Namespace) -> int:
-    """CLI: ``portharness merge --out merged.db a.db b.db``. Returns 0, or 2 on a bad DB."""
-    try:
-        n = merge_stores(args.out, args.dbs, combine_shards=not getattr(args, "no_combine", False))
-    except StoreError as exc:
-        print(f"portharness merge: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"merged {n} rows from {len(args.dbs)} DB(s) into {args.out}")
-    return 0
-
-
-def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness merge`` (for harness/cli.py to reuse)."""
-    parser.add_argument("--out", required=True, help="destination DB (created if missing)")
-    parser.add_argument("dbs", nargs="+", help="shard DBs to merge")
-    parser.add_argument("--no-combine", action="store_true", help="keep per-shard runs separate")
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.results.store", description="merge portharness DBs")
-    add_merge_arguments(parser)
-    return main_merge(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

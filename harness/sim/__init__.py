@@ -18,7 +18,7 @@ op set     PORTHARNESS_SIM_OPS          set_op_profile / op_profile()         yo
                                                                               or a profile file
 faults     PORTHARNESS_SIM_FAULTS       set_faults / clear_faults / faults()  nan, garbage, error,
                                                                               hang, crash per device
-devices    PORTHARNESS_SIM_DEVICES      (read at import)                      device count, def. 2
+devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
 
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:

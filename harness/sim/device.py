@@ -36,9 +36,21 @@ def _read_device_count() -> int:
     return n
 
 
-_count = _read_device_count()
+class _PerDevice(dict):
+    """Per-device state, created on first use: the device count may grow after import (below)."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, index: int):
+        value = self[index] = self._make(index)
+        return value
+
+
+_read_device_count()  # a bad value fails the import, with the message above
 _current = 0
-_generators: list[torch.Generator] = [torch.Generator() for _ in range(_count)]
+_generators: dict[int, torch.Generator] = _PerDevice(lambda _i: torch.Generator())
 
 
 def is_available() -> bool:
@@ -54,13 +66,16 @@ def _is_in_bad_fork() -> bool:
 
 
 def device_count() -> int:
-    return _count
+    # Read on every call, not once at import: a supervisor process that imported sim long ago must see
+    # the count its workers (started with today's environment) will see.
+    return _read_device_count()
 
 
 def _check_index(index: int) -> int:
-    if not 0 <= index < _count:
+    count = _read_device_count()
+    if not 0 <= index < count:
         raise RuntimeError(
-            f"sim device index {index} out of range: {_count} simulated devices "
+            f"sim device index {index} out of range: {count} simulated devices "
             f"(set {DEVICE_COUNT_ENV} to simulate more)"
         )
     return index
@@ -112,8 +127,8 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    for g in _generators:
-        g.manual_seed(int(seed))
+    for i in range(device_count()):
+        _generators[i].manual_seed(int(seed))
 
 
 def seed() -> None:
@@ -121,8 +136,8 @@ def seed() -> None:
 
 
 def seed_all() -> None:
-    for g in _generators:
-        g.seed()
+    for i in range(device_count()):
+        _generators[i].seed()
 
 
 def initial_seed() -> int:
@@ -138,12 +153,12 @@ def set_rng_state(new_state: torch.Tensor, device: torch.device | str | int = "s
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [g.get_state() for g in _generators]
+    return [_generators[i].get_state() for i in range(device_count())]
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    for g, s in zip(_generators, new_states, strict=True):
-        g.set_state(s)
+    for i, s in zip(range(device_count()), new_states, strict=True):
+        _generators[i].set_state(s)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:

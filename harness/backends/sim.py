@@ -1,0 +1,49 @@
+"""Adapter for `sim`, the simulated young accelerator in `harness.sim`.
+
+The only module outside `harness/sim/` that knows sim's switches: its two precision modes, its op
+profiles and its injected device errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from harness.backends.base import Adapter
+
+
+class SimAdapter(Adapter):
+    options = ("ops",)
+    precisions = ("default", "highest")
+
+    def load(self) -> None:
+        import harness.sim  # noqa: F401  registers the backend in this process
+
+    def device_count(self) -> int:
+        self.load()
+        import torch
+
+        return torch.get_device_module("sim").device_count()
+
+    def check_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        out = super().check_settings(settings)
+        from harness.sim.opset import profile_names
+
+        ops = out.setdefault("ops", "young")
+        if ops not in profile_names() and not os.path.isfile(ops):
+            raise ValueError(f"--ops {ops!r}: expected one of {', '.join(profile_names())} or a profile file")
+        return out
+
+    @contextlib.contextmanager
+    def apply(self, settings: dict[str, Any]) -> Iterator[None]:
+        import harness.sim as sim
+
+        with sim.precision(settings.get("precision", "default")), sim.op_profile(settings.get("ops", "young")):
+            yield
+
+    def is_device_fault(self, exc: BaseException) -> bool:
+        from harness.sim import SimDeviceError
+
+        return isinstance(exc, SimDeviceError)

@@ -1,0 +1,107 @@
+"""What the CLI prints: the verdict of one model, a run's summary, tables of a result frame."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pandas as pd
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from harness.outcomes import OUTCOMES
+
+_VERDICT_FIELDS = [
+    ("outcome", "outcome"),
+    ("model", "model_id"),
+    ("arch / task", None),
+    ("target", "device"),
+    ("settings", None),
+    ("unsupported op", "unsupported_op"),
+    ("error", None),
+    ("first drifting module", None),
+    ("rmse ratio (<=1 ok)", "rmse_ratio"),
+    ("max abs err", "max_abs_err"),
+    ("max rel err", "max_rel_err"),
+    ("min cosine", "min_cosine"),
+    ("load / ref / target s", None),
+    ("peak RSS MB", "peak_rss_mb"),
+]
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True, width=200 if not sys.stdout.isatty() else None)
+
+
+def _derived(label: str, row: dict[str, Any]) -> Any:
+    if label == "arch / task":
+        return f"{row.get('arch', '')} / {row.get('task', '')}"
+    if label == "settings":
+        return " ".join(f"{k}={v}" for k, v in sorted((row.get("settings") or {}).items()))
+    if label == "error":
+        parts = [row.get("error_type") or "", row.get("error_message") or ""]
+        return ": ".join(p for p in parts if p) or None
+    if label == "first drifting module":
+        m = row.get("first_drift_module")
+        return f"{m} ({row.get('first_drift_module_type', '')})" if m else None
+    ts = [row.get(k) for k in ("load_time_s", "ref_time_s", "target_time_s")]
+    return " / ".join("-" if t is None else f"{t:.3f}" for t in ts)
+
+
+def verdict_lines(row: dict[str, Any]) -> list[str]:
+    """The `portharness check` verdict for one result row, as aligned text lines."""
+    lines = []
+    for label, key in _VERDICT_FIELDS:
+        val = row.get(key) if key is not None else _derived(label, row)
+        if val in (None, "", " / "):
+            continue
+        if isinstance(val, float):
+            val = f"{val:.4g}"
+        lines.append(f"  {label:<24} {str(val)[:300]}")
+    metrics = row.get("metrics") or {}
+    if metrics:
+        lines.append("  outputs:")
+        for name, m in metrics.items():
+            ok = "ok  " if m.get("ok") else "FAIL"
+            ratio, mabs = m.get("rmse_ratio"), m.get("max_abs")
+            ratio_s = "-" if ratio is None else f"{ratio:.3g}"
+            mabs_s = "-" if mabs is None else f"{mabs:.3g}"
+            lines.append(f"    {ok} {name:<28} rmse_ratio={ratio_s:<9} max_abs={mabs_s} {m.get('note', '')}")
+    if row.get("traceback") and row.get("outcome") not in ("pass", "drift"):
+        lines.append("  traceback (trimmed):")
+        lines.append("    " + row["traceback"].replace("\n", "\n    "))
+    return lines
+
+
+def clean_row(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN (pandas' missing value) -> None, so JSON and the verdict see 'no value'."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+
+
+def outcome_table(counts: dict[str, int], total: int) -> str:
+    """One line per outcome that occurred, most frequent first, with its share."""
+    return "\n".join(
+        f"  {o:<22} {n:>6}  {n / max(total, 1):6.1%}" for o, n in sorted(counts.items(), key=lambda kv: -kv[1])
+    )
+
+
+def print_frame(title: str, df: pd.DataFrame) -> None:
+    """A titled table on stdout (every row and column: this is what people grep)."""
+    console = _console()
+    console.print(f"\n== {title} ==")
+    if df.empty:
+        console.print("(none)")
+        return
+    frame = df.reset_index() if not isinstance(df.index, pd.RangeIndex) else df
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in frame.columns:
+        table.add_column(str(col), justify="right" if pd.api.types.is_numeric_dtype(frame[col]) else "left")
+    for rec in frame.itertuples(index=False):
+        table.add_row(*("" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v) for v in rec))
+    console.print(table)
+
+
+def outcome_line(counts: dict[str, int]) -> str:
+    return "  " + "  ".join(f"{o}={counts[o]}" for o in OUTCOMES if counts.get(o))

@@ -1,0 +1,84 @@
+"""Is this file a portharness DB we may use? Decided without writing a byte to it.
+
+A result DB is the one artifact a nightly run leaves behind, so anything that is not clearly ours
+(random bytes, another application's SQLite file, a DB written by a newer schema) is refused with a
+`StoreError` that names the file and what to do, and is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+APP_NAME = "portharness"
+SCHEMA_VERSION = 1  # bumped only for incompatible changes; new columns are added in place
+SQLITE_HEADER = b"SQLite format 3\x00"
+BUSY_TIMEOUT_MS = 60_000
+
+
+class StoreError(RuntimeError):
+    """The DB file cannot be used as a portharness store (corrupt, foreign, newer schema, missing)."""
+
+
+def connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection that never creates, locks or writes anything next to `path`."""
+    return sqlite3.connect(
+        f"{path.resolve().as_uri()}?mode=ro",
+        uri=True,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
+        check_same_thread=False,
+    )
+
+
+def inspect(path: Path) -> str:
+    """Classify `path`: 'missing', 'empty' or 'ours'; anything else raises StoreError."""
+    if not path.exists():
+        return "missing"
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a portharness DB file; pass a file path with --db.")
+    if path.stat().st_size == 0:
+        return "empty"
+    with open(path, "rb") as fh:
+        header = fh.read(len(SQLITE_HEADER))
+    if header != SQLITE_HEADER:
+        raise StoreError(
+            f"{path} is not an SQLite database (bad header; the file is corrupt or not a DB). "
+            "It was left untouched; move it aside or pass another --db path."
+        )
+    try:
+        con = connect_read_only(path)
+    except sqlite3.Error as exc:
+        raise StoreError(f"{path} cannot be opened as SQLite ({exc}); it was left untouched.") from exc
+    try:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            return "empty"
+        if "meta" not in tables:
+            raise StoreError(
+                f"{path} is an SQLite database of another application (tables: {', '.join(sorted(tables))}); "
+                "it was left untouched. Pass a new or portharness --db path."
+            )
+        meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+    except sqlite3.DatabaseError as exc:
+        raise StoreError(
+            f"{path} is a corrupt SQLite database ({exc}); it was left untouched. "
+            "Restore it from a backup/artifact or pass another --db path."
+        ) from exc
+    finally:
+        con.close()
+    if meta.get("app") != APP_NAME:
+        raise StoreError(
+            f"{path} has a 'meta' table but is not a portharness DB (app={meta.get('app')!r}); "
+            "it was left untouched. Pass a new or portharness --db path."
+        )
+    try:
+        version = int(meta.get("schema_version", ""))
+    except ValueError as exc:
+        raise StoreError(f"{path}: unreadable schema_version {meta.get('schema_version')!r}.") from exc
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} was written by a newer portharness (schema {version} > {SCHEMA_VERSION} supported); "
+            "it was left untouched. Upgrade portharness to read it."
+        )
+    return "ours"

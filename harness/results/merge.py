@@ -1,0 +1,107 @@
+"""Merge shard DBs into one: the per-shard runs of one night become one run.
+
+Each nightly shard (``portharness run --shard i/N``) starts its own run in its own DB. Merged, they
+must read as one night to the matrix, report and diff, without ever mixing two nights: shards of the
+same (list, target, settings, N) are combined only when every shard index appears once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from harness.results.dbfile import StoreError
+from harness.results.store import TABLES, ResultStore
+
+
+def _parse_shard(shard: str) -> tuple[int, int] | None:
+    try:
+        i, n = shard.split("/")
+        return int(i), int(n)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _combine_run_ids(runs: list[dict[str, Any]]) -> dict[str, str]:
+    """Map shard run ids onto one run id per (list, target, settings, N) when the shards are distinct.
+
+    Each nightly shard starts its own run; merged, they form one night. Shards of the same group
+    are combined only when every shard index appears once, so two nights are never mixed up.
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        parsed = _parse_shard(r["shard"])
+        if parsed is None or parsed[1] <= 1:
+            continue
+        groups.setdefault((r["list_name"], r["target"], r["settings"], parsed[1]), []).append(r)
+    mapping: dict[str, str] = {}
+    for members in groups.values():
+        ids = {m["run_id"] for m in members}
+        if len(ids) < 2:
+            continue
+        indices = [_parse_shard(m["shard"])[0] for m in members]  # type: ignore[index]
+        if len(indices) != len(set(indices)):
+            continue
+        first = min(members, key=lambda m: (m["started_at"], m["run_id"]))
+        for m in members:
+            mapping[m["run_id"]] = first["run_id"]
+    return mapping
+
+
+def _merged_run(rows: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
+    base = dict(min(rows, key=lambda r: (r["started_at"], r["run_id"])))
+    base["run_id"] = run_id
+    parsed = [_parse_shard(r["shard"]) for r in rows]
+    if all(parsed) and len({p[1] for p in parsed}) == 1 and len(rows) > 1:  # type: ignore[index]
+        n = parsed[0][1]  # type: ignore[index]
+        idx = sorted({p[0] for p in parsed})  # type: ignore[index]
+        base["shard"] = "1/1" if idx == list(range(1, n + 1)) else f"{','.join(map(str, idx))}/{n}"
+    finished = [r["finished_at"] for r in rows]
+    base["finished_at"] = "" if any(not f for f in finished) else max(finished)
+    return base
+
+
+def merge_stores(
+    dst: str | os.PathLike, srcs: Iterable[str | os.PathLike], *, combine_shards: bool = True
+) -> int:
+    """Merge shard DBs into ``dst`` (created if needed); returns result + collective rows merged.
+
+    Every source is validated first (missing, corrupt, foreign -> StoreError, nothing written).
+    With ``combine_shards`` the per-shard runs of one night become one run, so the matrix, report and
+    diff see the whole night; rows of the same key are upserted (later sources win).
+    """
+    dst_path = Path(dst)
+    src_paths = [Path(s) for s in srcs]
+    if not src_paths:
+        raise StoreError("merge: no source DBs given.")
+    for s in src_paths:
+        if s.exists() and dst_path.exists() and s.resolve() == dst_path.resolve():
+            raise StoreError(f"merge: source {s} is also the destination; pass a different --out.")
+    opened = []
+    try:
+        for s in src_paths:
+            opened.append(ResultStore(s, create=False))
+        runs = [r for st in opened for r in st.raw_runs()]
+        mapping = _combine_run_ids(runs) if combine_shards else {}
+        with ResultStore(dst_path, create=True) as out:
+            existing = {r["run_id"]: r for r in out.raw_runs()}
+            by_id: dict[str, list[dict[str, Any]]] = {}
+            for r in runs:
+                by_id.setdefault(mapping.get(r["run_id"], r["run_id"]), []).append(r)
+            out.put_raw_runs(
+                [_merged_run([existing[rid], *rows] if rid in existing else rows, rid) for rid, rows in by_id.items()]
+            )
+            n = 0
+            for st in opened:
+                for table in TABLES:
+                    rows = st.raw_rows(table)
+                    for r in rows:
+                        r["run_id"] = mapping.get(r["run_id"], r["run_id"])
+                    out.put_raw_rows(table, rows)
+                    n += len(rows)
+        return n
+    finally:
+        for st in opened:
+            st.close()

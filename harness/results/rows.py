@@ -1,0 +1,191 @@
+"""The row contract between the worker, the runner and the store: typed, in one place.
+
+A worker measures one attempt of one model on one device and returns a `Measurement`. The runner
+decides the final outcome over all attempts (retries, flaky, quarantine) and turns the last
+measurement into a `ResultRow` by adding the run-level fields. Every field the runner decides on is
+a field here, so it is stored, resumed and merged like the rest: nothing travels as an untyped dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import functools
+import importlib.metadata
+import secrets
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """One try of a model on one device, as the runner saw it."""
+
+    device: str
+    outcome: str  # an outcome, or "interrupted" (its device was quarantined mid-run)
+    error_type: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    duration_s: float | None = None
+    device_fault: bool = False
+
+
+@dataclass(kw_only=True)
+class Measurement:
+    """What one attempt measured: the worker's answer for one model on one device."""
+
+    model_id: str
+    outcome: str
+    device: str = ""
+    unsupported_op: str = ""
+    error_type: str = ""
+    error_message: str = ""
+    traceback: str = ""
+    first_drift_module: str = ""
+    first_drift_module_type: str = ""
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    min_cosine: float | None = None
+    rmse_ratio: float | None = None
+    metrics: dict = field(default_factory=dict)
+    nonfinite: bool = False  # the target produced NaN/inf where the reference did not
+    device_fault: bool = False  # the backend adapter blamed the device, not the model
+    exit_code: int | None = None
+    signal: int | None = None
+    load_time_s: float | None = None
+    ref_time_s: float | None = None
+    target_time_s: float | None = None
+    wall_time_s: float | None = None
+    peak_rss_mb: float | None = None
+
+
+@dataclass(kw_only=True)
+class ResultRow(Measurement):
+    """The classified outcome of one model on one target with one settings dict (a `results` row)."""
+
+    run_id: str
+    target: str
+    settings: dict
+    arch: str = ""
+    task: str = ""
+    modality: str = ""
+    attempts: list = field(default_factory=list)  # Attempt dicts, oldest first
+    torch_version: str = ""
+    transformers_version: str = ""
+    harness_version: str = ""
+    finished_at: str = ""
+
+    @classmethod
+    def from_measurement(cls, m: Measurement, **run_fields: Any) -> ResultRow:
+        """`m` plus the run-level fields (run_id, target, settings, outcome override, attempts...)."""
+        values = {f.name: getattr(m, f.name) for f in dataclasses.fields(Measurement)}
+        values.update(run_fields)
+        return cls(**values)
+
+
+@dataclass
+class RunInfo:
+    """One invocation of the runner over a model list for one target and settings (a `runs` row)."""
+
+    list_name: str
+    target: str
+    settings: dict
+    shard: str = "1/1"
+    argv: str = ""
+    run_id: str = ""
+    started_at: str = ""
+    torch_version: str = ""
+    transformers_version: str = ""
+    harness_version: str = ""
+    host: str = ""
+
+
+@dataclass
+class CollectiveRow:
+    """Timing of one collective op at one size and setting, relative to a baseline setting."""
+
+    run_id: str
+    target: str
+    backend: str
+    world_size: int
+    op: str
+    size_bytes: int
+    setting: str
+    settings: dict
+    baseline_setting: str
+    median_s: float
+    p10_s: float
+    p90_s: float
+    repeats: int
+    ratio: float | None
+    ratio_p10: float | None
+    ratio_p90: float | None
+    finished_at: str = ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Column types, from the real annotations (not their text)
+# ----------------------------------------------------------------------------------------------
+
+SQL_TYPES = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
+
+
+def _base_type(hint: Any) -> type:
+    """`float | None` -> float, `dict[str, int]` -> dict, `str` -> str."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return typing.get_origin(hint) or hint
+
+
+@functools.lru_cache(maxsize=None)
+def column_types(cls: type) -> dict[str, type]:
+    """Field name -> Python base type (bool/int/float/str/dict/list) for a row dataclass."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        base = _base_type(hints[f.name])
+        if base not in SQL_TYPES:
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported column type {hints[f.name]!r}")
+        out[f.name] = base
+    return out
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Stamps
+# ----------------------------------------------------------------------------------------------
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp with seconds, sortable as text."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def new_run_id() -> str:
+    """UTC timestamp plus a short random suffix: sortable by time and unique across shards."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict[str, str]:
+    """Versions without importing torch/transformers (importing torch costs seconds per process)."""
+    from harness import __version__
+
+    return {
+        "torch_version": _dist_version("torch"),
+        "transformers_version": _dist_version("transformers"),
+        "harness_version": __version__,
+    }

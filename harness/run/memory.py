@@ -1,0 +1,63 @@
+"""Process memory: resident size, a peak sampler, and a cap on what a worker may add."""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _statm(pid: int | str = "self") -> tuple[int, int]:
+    """(virtual size, resident size) in bytes from /proc; (0, 0) if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            vsz, rss = f.read().split()[:2]
+        return int(vsz) * _PAGE, int(rss) * _PAGE
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    """Resident set size of `pid` in MiB (0 if it is gone)."""
+    return _statm(pid)[1] / 2**20
+
+
+def cap_address_space(extra_mb: int | None) -> None:
+    """Let this process grow its address space by at most `extra_mb` beyond what it has now.
+
+    A runaway allocation then fails inside the process with MemoryError ("can't allocate memory")
+    instead of dragging the host into the OOM killer."""
+    if not extra_mb:
+        return
+    limit = _statm()[0] + extra_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+class PeakRss:
+    """Samples this process's resident set size while a block runs (ru_maxrss never goes down)."""
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self.interval_s = interval_s
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+
+    def _now(self) -> float:
+        mb = rss_mb()
+        return mb if mb else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_mb = max(self.peak_mb, self._now())
+
+    def __enter__(self) -> PeakRss:
+        self.peak_mb = self._now()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, self._now())

@@ -1,0 +1,199 @@
+"""One model, end to end: load -> inputs -> reference x2 -> fp64 oracle -> target -> compare -> localize.
+
+`run_one` never raises for a model's problems; it returns a `Measurement` whose outcome is the first
+stage that failed (load_fail, ref_fail, ref_nondeterministic, then the target's unsupported_op, crash,
+oom, drift) or pass. Timeouts and worker deaths are decided by the supervisor, which sees the process
+die. Which device faults count against the device is the backend adapter's call.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.backends import Adapter, adapter_for
+from harness.models.inputs import make_inputs, output_tensors
+from harness.models.load import load_model
+from harness.models.model_list import ModelEntry
+from harness.results.rows import Measurement
+from harness.run.compare import Tolerance, compare_outputs, identical
+from harness.run.localize import capture, first_drift
+from harness.run.memory import PeakRss
+
+_MISSING_KERNEL = re.compile(r"Could not run '([\w:.]+)' with arguments from the '(\w+)' backend")
+_FLEX = re.compile(r"FlexAttention is only supported on|flex_attention", re.IGNORECASE)
+_OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
+TRACEBACK_LINES = 40
+
+
+@dataclass
+class Task:
+    """One model to run on one target device with the given backend settings."""
+
+    entry: dict[str, Any]
+    target: str  # device string: "sim:1", "cuda:0", "cpu"
+    settings: dict[str, Any] = field(default_factory=dict)  # precision, ops, attn
+    seed: int = 0
+    localize: bool = True
+
+
+def _trim_traceback(exc: BaseException) -> str:
+    lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    text = "".join(lines).splitlines()
+    if len(text) > TRACEBACK_LINES:
+        text = text[:8] + [f"... ({len(text) - TRACEBACK_LINES} lines trimmed) ..."] + text[-(TRACEBACK_LINES - 9) :]
+    return "\n".join(text)
+
+
+def parse_unsupported_op(exc: BaseException) -> str | None:
+    """The missing op named by a backend's error, or 'flex_attention'; None if not a coverage gap."""
+    msg = str(exc)
+    m = _MISSING_KERNEL.search(msg)
+    if m and isinstance(exc, NotImplementedError | RuntimeError):
+        return m.group(1)
+    if _FLEX.search(msg) and ("only supported" in msg or "not supported" in msg.lower()):
+        return "flex_attention"
+    return None
+
+
+def classify_exception(exc: BaseException, adapter: Adapter | None = None) -> dict[str, Any]:
+    """Measurement fields for a target-side exception."""
+    base = {
+        "error_type": type(exc).__name__,
+        "error_message": str(exc)[:2000],
+        "traceback": _trim_traceback(exc),
+        "device_fault": adapter is not None and adapter.is_device_fault(exc),
+    }
+    op = parse_unsupported_op(exc)
+    if op is not None:
+        return {"outcome": "unsupported_op", "unsupported_op": op, **base}
+    if isinstance(exc, MemoryError) or _OOM.search(str(exc)):
+        return {"outcome": "oom", **base}
+    return {"outcome": "crash", **base}
+
+
+def _to(inputs: dict[str, Any], device: str | torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device)
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        out = model(**inputs)
+    return {k: v.detach().cpu() for k, v in output_tensors(out).items()}
+
+
+def run_one(task: Task) -> Measurement:
+    """Run one model end to end; never raises for model problems."""
+    entry = ModelEntry(**task.entry) if isinstance(task.entry, dict) else task.entry
+    tol = Tolerance(
+        tol=entry.atol if entry.atol is not None else Tolerance.tol,
+        atol=entry.atol,
+        rtol=entry.rtol,
+    )
+    timings: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    with PeakRss() as rss:
+        fields = _pipeline(entry, task, tol, timings)
+    return Measurement(
+        model_id=entry.id,
+        device=task.target,
+        **timings,
+        **fields,
+        wall_time_s=time.perf_counter() - t_start,
+        peak_rss_mb=round(rss.peak_mb, 1),
+    )
+
+
+def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, Any]) -> dict[str, Any]:
+    attn = task.settings.get("attn")
+    t0 = time.perf_counter()
+    try:
+        loaded = load_model(entry, seed=task.seed, attn_implementation=attn)
+        model = loaded.model
+        inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
+    except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
+        return {**classify_exception(e), "outcome": "load_fail"}
+    timings["load_time_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    try:
+        ref = _forward(model, inputs)
+    except Exception as e:
+        return {**classify_exception(e), "outcome": "ref_fail"}
+    timings["ref_time_s"] = time.perf_counter() - t0
+    try:
+        ref2 = _forward(model, inputs)
+    except Exception as e:
+        return {**classify_exception(e), "outcome": "ref_fail"}
+    if not identical(ref, ref2):
+        return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"}
+
+    oracle_model = None
+    try:
+        oracle_model = copy.deepcopy(model).double()
+        oracle = _forward(oracle_model, _to(inputs, "cpu", torch.float64))
+    except Exception:
+        oracle, oracle_model = None, None  # fp64 unsupported by this model: fall back to cosine/allclose
+
+    device = task.target
+    adapter = adapter_for(device)
+    target_inputs = _to(inputs, device)
+    try:
+        with adapter.apply(task.settings):
+            tmodel = copy.deepcopy(model).to(device)
+            _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
+            t0 = time.perf_counter()
+            tout = _forward(tmodel, target_inputs)
+            timings["target_time_s"] = time.perf_counter() - t0
+    except Exception as e:
+        return classify_exception(e, adapter)
+
+    verdict = compare_outputs(ref, tout, oracle, tol)
+    result: dict[str, Any] = {
+        "metrics": {c.name: c.to_dict() for c in verdict.checks},
+        **verdict.summary(),
+        "outcome": "pass" if verdict.ok else "drift",
+    }
+    if verdict.ok:
+        return result
+    worst = verdict.worst
+    result["error_message"] = (
+        f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, max abs {worst.max_abs}"
+        + (" (non-finite values on target)" if verdict.nonfinite else "")
+        if worst
+        else "outputs differ"
+    )
+    result["nonfinite"] = verdict.nonfinite
+    if task.localize:
+        try:
+            site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings)
+        except Exception as e:  # localization is diagnostics: never lose the verdict over it
+            result["error_message"] += f"; localization failed: {type(e).__name__}: {e}"
+        else:
+            if site is not None:
+                result["first_drift_module"] = site.module
+                result["first_drift_module_type"] = site.module_type
+    return result
+
+
+def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, settings):
+    ref_rec = capture(model, lambda: model(**inputs))
+    oracle_rec = (
+        capture(oracle_model, lambda: oracle_model(**_to(inputs, "cpu", torch.float64))) if oracle_model else None
+    )
+    with adapter.apply(settings):  # the target's settings only around the target (they may be global)
+        tgt_rec = capture(tmodel, lambda: tmodel(**target_inputs))
+    return first_drift(ref_rec, tgt_rec, oracle_rec, tol)

@@ -1,0 +1,210 @@
+"""The one supervised process pool: disposable workers, each a child process with a pipe.
+
+A model (or a zoo candidate) may segfault, hang or eat all memory, so it runs in a child process that
+costs only itself when it does. The pool starts children, hands them jobs, and turns what happens to
+them into events: ready, result, died (exit code / signal), timed out, over its memory budget. What
+runs where, and what a failure means, is decided by the caller (`policy.py` for the runner).
+
+Children come from a forkserver that has already imported torch and transformers, so replacing a
+dead worker costs a fork, not a multi-second import; the server is started with torch's backend
+autoload off, so no accelerator backend is initialised before a child has applied its own
+environment.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+from harness.run.memory import rss_mb
+
+PRELOAD = ["torch", "transformers"]
+
+
+def context(preload: Iterable[str] = PRELOAD) -> Any:
+    """A forkserver context whose server has imported `preload` (started once per process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    from multiprocessing import forkserver
+
+    prev = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+    os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if prev is None:
+            os.environ.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+        else:
+            os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = prev
+    return ctx
+
+
+class Worker:
+    """One child process serving jobs over a pipe, pinned to `key` (a device, or any label)."""
+
+    def __init__(self, ctx: Any, key: str, target: Callable[..., None], args: tuple) -> None:
+        self.key = key
+        parent, child = ctx.Pipe()
+        self.conn = parent
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.born = time.monotonic()
+        self.ready = False
+        self.job: Any = None  # the caller's handle for the job in flight
+        self.started = 0.0
+        self.done = 0  # jobs finished by this worker
+        self.killed_for: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def send(self, job: Any, payload: Any) -> None:
+        self.job = job
+        self.started = time.monotonic()
+        self.conn.send(payload)
+
+    def kill(self, reason: str) -> None:
+        self.killed_for = reason
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def stop(self) -> None:
+        """Ask the child to exit after its current job; kill it if it does not."""
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.proc.join(2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2)
+
+    def death(self) -> tuple[int | None, int | None]:
+        """(exit code, signal) of a dead worker."""
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return None, -code
+        return code, None
+
+
+@dataclass
+class Event:
+    kind: str  # ready | result | died | timeout | memory | startup
+    worker: Worker
+    payload: Any = None
+
+
+class Pool:
+    """Workers for `target(conn, *args_for(key))`; `poll` turns their lives into events."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        target: Callable[..., None],
+        args_for: Callable[[str], tuple],
+        *,
+        timeout_s: float,
+        max_rss_mb: float | None = None,
+        startup_timeout_s: float | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.target = target
+        self.args_for = args_for
+        self.timeout_s = timeout_s
+        self.max_rss_mb = max_rss_mb
+        self.startup_timeout_s = startup_timeout_s
+        self.workers: list[Worker] = []
+
+    def spawn(self, key: str) -> Worker:
+        w = Worker(self.ctx, key, self.target, self.args_for(key))
+        self.workers.append(w)
+        return w
+
+    def retire(self, w: Worker) -> None:
+        """Forget a dead or killed worker."""
+        if w in self.workers:
+            self.workers.remove(w)
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+
+    def poll(self, max_wait: float = 1.0) -> list[Event]:
+        """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
+        now = time.monotonic()
+        deadlines = [w.started + self.timeout_s - now for w in self.workers if w.busy]
+        handles: dict[Any, Worker] = {}
+        for w in self.workers:
+            handles[w.conn] = w
+            handles[w.proc.sentinel] = w
+        events: list[Event] = []
+        seen: set[int] = set()
+        for h in wait(list(handles), timeout=max(0.0, min([max_wait, *deadlines]))):
+            w = handles[h]
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            events.extend(self._read(w))
+        events.extend(self._deadlines())
+        return events
+
+    def _read(self, w: Worker) -> list[Event]:
+        out = []
+        while True:
+            try:
+                if not w.conn.poll():
+                    break
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg.get("type") == "ready":
+                w.ready = True
+                out.append(Event("ready", w, msg))
+            elif msg.get("type") == "result":
+                out.append(Event("result", w, msg["result"]))
+                w.done += 1
+        if not out and not w.proc.is_alive():
+            w.proc.join()
+            out.append(Event("died", w))
+        return out
+
+    def _deadlines(self) -> list[Event]:
+        now = time.monotonic()
+        events = []
+        for w in list(self.workers):
+            if w.busy and now - w.started > self.timeout_s:
+                w.kill("timeout")
+                events.append(Event("timeout", w))
+            elif w.busy and self.max_rss_mb and rss_mb(w.proc.pid) > self.max_rss_mb:
+                w.kill("memory")
+                events.append(Event("memory", w))
+            elif not w.ready and self.startup_timeout_s and now - w.born > self.startup_timeout_s:
+                w.kill("startup")
+                events.append(Event("startup", w))
+        return events
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        self.workers.clear()
+
+
+def serve(conn: Any, handle: Callable[[Any], Any]) -> None:
+    """Child side: announce readiness, then answer each job with `handle(job)` until told to stop."""
+    conn.send({"type": "ready", "pid": os.getpid()})
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        conn.send({"type": "result", "result": handle(job)})
