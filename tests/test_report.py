@@ -18,7 +18,6 @@ from harness.report.build import (
     safe_name,
     svg_bars,
     svg_histogram,
-    write_synthetic_db,
 )
 from harness.results.store import CollectiveRow, ResultRow, ResultStore, RunInfo
 
@@ -127,7 +126,7 @@ def test_safe_name() -> None:
         assert "/" not in n and ".." not in n.split("-")[0][:2]
 
 
-def test_pages_content(tmp_path: Path) -> None:
+def test_pages_content(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "s.db", tmp_path / "site"
     write_synthetic_db(db, 60, runs=2, seed=3)
     csv = tmp_path / "opinfo.csv"
@@ -155,7 +154,7 @@ def test_pages_content(tmp_path: Path) -> None:
         assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
 
 
-def test_single_run_no_collectives_no_diff(tmp_path: Path) -> None:
+def test_single_run_no_collectives_no_diff(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "one.db", tmp_path / "site"
     write_synthetic_db(db, 5, runs=1, collectives=False)
     build_report(db, out)
@@ -169,7 +168,7 @@ def test_single_run_no_collectives_no_diff(tmp_path: Path) -> None:
     assert "prev.db" in (out / "diff.html").read_text()
 
 
-def test_rebuild_removes_stale_model_pages(tmp_path: Path) -> None:
+def test_rebuild_removes_stale_model_pages(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "a.db", tmp_path / "site"
     write_synthetic_db(db, 8, runs=1, collectives=False)
     build_report(db, out)
@@ -187,7 +186,7 @@ def test_svg_helpers_edge_cases() -> None:
     assert "&lt;b&gt;" in svg_bars([{"label": "<b>", "value": 2.0, "lo": 1.5, "hi": 2.5}])
 
 
-def test_build_time_1000_rows(tmp_path: Path) -> None:
+def test_build_time_1000_rows(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "big.db", tmp_path / "site"
     write_synthetic_db(db, 1000, runs=2)
     t0 = time.perf_counter()
@@ -204,7 +203,7 @@ def _ns(**kw) -> argparse.Namespace:
     return argparse.Namespace(**base)
 
 
-def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], write_synthetic_db) -> None:
     db = tmp_path / "a.db"
     write_synthetic_db(db, 4, runs=1, collectives=False)
     out = tmp_path / "site"
@@ -231,7 +230,7 @@ def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert corrupt.read_bytes() == b"\x00garbage" * 100
 
 
-def test_collectives_run_separate_from_model_run(tmp_path: Path) -> None:
+def test_collectives_run_separate_from_model_run(tmp_path: Path, write_synthetic_db) -> None:
     """`portharness collectives --db` records its own run; the report still shows the model run."""
     db, out = tmp_path / "c.db", tmp_path / "site"
     write_synthetic_db(db, 6, runs=1, collectives=False)
