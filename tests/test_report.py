@@ -12,13 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.report.build import (
-    build_report,
-    main_report,
-    safe_name,
-    svg_bars,
-    svg_histogram,
-)
+from harness.report.build import build_report, main_report, safe_name
+from harness.report.svg import svg_bars, svg_histogram
 from harness.results.store import CollectiveRow, ResultRow, ResultStore, RunInfo
 
 S = {"ops": "young"}

@@ -1,0 +1,160 @@
+"""Inline SVG charts for the report, drawn in Python.
+
+The site must work offline from ``file://``, so there is no JS plotting library: each chart is an
+SVG string put into the page as markup. Styling is by class (``style.css``), so the pages need no
+inline styles and the Content-Security-Policy can stay strict. Labels that may come from the data
+are escaped here, since the result is marked safe for Jinja.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from markupsafe import Markup
+
+from harness.outcomes import COLOURS, OUTCOMES
+
+
+def _num(v: Any) -> float | None:
+    """A finite float or None (NaN/None); infinities kept (they sort last and print as inf)."""
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def svg_histogram(
+    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
+) -> Markup:
+    """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
+    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    if not logs:
+        return Markup('<p class="empty">no finite positive rmse_ratio values in this run</p>')
+    lo = math.floor(min(min(logs), -1.0) / bin_width) * bin_width
+    hi = math.ceil(max(max(logs), 0.5) / bin_width) * bin_width
+    if hi - lo < bin_width:
+        hi = lo + bin_width
+    nbins = max(1, round((hi - lo) / bin_width))
+    counts = [0] * nbins
+    for x in logs:
+        counts[min(nbins - 1, int((x - lo) / bin_width))] += 1
+    top = max(counts)
+    ml, mr, mt, mb = 44, 12, 14, 40
+    pw, ph = width - ml - mr, height - mt - mb
+    bw = pw / nbins
+
+    def xpos(v: float) -> float:
+        return ml + (v - lo) / (hi - lo) * pw
+
+    parts = [
+        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="histogram of log10 rmse_ratio">'
+    ]
+    for i, c in enumerate(counts):
+        if not c:
+            continue
+        h = c / top * ph
+        left = lo + i * bin_width
+        cls = "bar drift" if left >= 0 else "bar ok"
+        parts.append(
+            f'<rect class="{cls}" x="{ml + i * bw + 1:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 2, 1):.1f}" '
+            f'height="{h:.1f}"><title>10^{left:g} .. 10^{left + bin_width:g}: {c}</title></rect>'
+        )
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
+    for d in range(math.ceil(lo), math.floor(hi) + 1):
+        x = xpos(d)
+        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 5}"/>')
+        parts.append(f'<text class="label" x="{x:.1f}" y="{mt + ph + 18}" text-anchor="middle">1e{d}</text>')
+    x0 = xpos(0.0)
+    parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
+    parts.append(f'<text class="label" x="{x0 + 4:.1f}" y="{mt + 10}">bound (ratio 1)</text>')
+    for frac in (0.5, 1.0):
+        y = mt + ph - frac * ph
+        parts.append(
+            f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{round(top * frac)}</text>'
+        )
+    parts.append(
+        f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
+        "rmse(fp64, target) / allowed bound (log scale)</text>"
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 1.0) -> Markup:
+    """Horizontal bar chart: items with label, value, optional lo/hi whiskers; a line at ``ref``."""
+    items = [i for i in items if _num(i.get("value")) is not None and math.isfinite(_num(i["value"]) or 0)]
+    if not items:
+        return Markup('<p class="empty">no ratios to plot</p>')
+    row_h, ml, mr, mt, mb = 22, 240, 60, 8, 26
+    height = mt + mb + row_h * len(items)
+    vmax = (
+        max(max((_num(i.get("hi")) or 0) for i in items), max(_num(i["value"]) or 0 for i in items), ref)
+        * 1.08
+    )
+    pw = width - ml - mr
+
+    def xpos(v: float) -> float:
+        return ml + max(v, 0) / vmax * pw
+
+    parts = [
+        f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="ratio per setting">'
+    ]
+    for n, it in enumerate(items):
+        y = mt + n * row_h
+        v = float(it["value"])
+        label = html.escape(str(it["label"]))
+        cls = "bar slow" if v > ref else "bar fast"
+        parts.append(
+            f'<text class="label" x="{ml - 6}" y="{y + row_h * 0.65:.1f}" text-anchor="end">{label}</text>'
+            f'<rect class="{cls}" x="{ml}" y="{y + 3}" width="{xpos(v) - ml:.1f}" height="{row_h - 6}">'
+            f"<title>{label}: {v:.3g}</title></rect>"
+        )
+        lo_, hi_ = _num(it.get("lo")), _num(it.get("hi"))
+        right = max(v, hi_ if hi_ is not None and math.isfinite(hi_) else v)
+        parts.append(
+            f'<text class="label" x="{xpos(right) + 4:.1f}" y="{y + row_h * 0.65:.1f}">{v:.3g}</text>'
+        )
+        if lo_ is not None and hi_ is not None and math.isfinite(lo_) and math.isfinite(hi_):
+            yc = y + row_h / 2
+            parts.append(
+                f'<line class="whisker" x1="{xpos(lo_):.1f}" y1="{yc}" x2="{xpos(hi_):.1f}" y2="{yc}"/>'
+            )
+    xr = xpos(ref)
+    parts.append(f'<line class="bound" x1="{xr:.1f}" y1="{mt}" x2="{xr:.1f}" y2="{height - mb}"/>')
+    parts.append(
+        f'<text class="label" x="{xr:.1f}" y="{height - 8}" text-anchor="middle">{ref:g} (baseline)</text>'
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 26) -> Markup:
+    """One stacked bar of outcome counts (SVG so no inline styles are needed)."""
+    total = sum(counts.values())
+    if not total:
+        return Markup("")
+    parts = [
+        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
+    ]
+    x = 0.0
+    for outcome in OUTCOMES[::-1]:
+        c = counts.get(outcome, 0)
+        if not c:
+            continue
+        w = c / total * width
+        parts.append(
+            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
+            f"<title>{outcome}: {c}</title></rect>"
+        )
+        x += w
+    parts.append("</svg>")
+    return Markup("".join(parts))
