@@ -6,7 +6,9 @@ import argparse
 import json
 import re
 import time
+import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
+from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
@@ -179,6 +181,41 @@ def test_svg_helpers_edge_cases() -> None:
     assert "<svg" in svg_histogram([1.0])
     assert "no ratios" in svg_bars([{"label": "x", "value": None}])
     assert "&lt;b&gt;" in svg_bars([{"label": "<b>", "value": 2.0, "lo": 1.5, "hi": 2.5}])
+
+
+def _tick_labels(svg: str) -> tuple[list[tuple[float, str]], ET.Element]:
+    root = ET.fromstring(str(svg))
+    texts = root.iter("{http://www.w3.org/2000/svg}text")
+    ticks = sorted((float(t.get("x")), t.text) for t in texts if re.fullmatch(r"1e-?\d+", t.text or ""))
+    return ticks, root
+
+
+@pytest.mark.parametrize(
+    "lo, hi, bins",
+    [(-6, 4, 0.25), (-6, 4, 0.05), (-300, 3, 0.25), (-1, 300, 0.25), (-30, 30, 0.1)],
+)
+def test_histogram_tick_labels_never_overlap(lo: int, hi: int, bins: float) -> None:
+    values = [10.0**lo, 10.0**hi] + [10 ** (lo + (hi - lo) * k / 97) for k in range(98)]
+    ticks, root = _tick_labels(svg_histogram(values, bin_width=bins))
+    assert 2 <= len(ticks) <= 10, ticks
+    assert "1e0" in {t for _, t in ticks}  # the bound always has its label
+    for (x1, t1), (x2, t2) in pairwise(ticks):
+        # 11px labels: at most ~6.5px a character, so centres this far apart leave a gap between them
+        assert x2 - x1 >= 6.5 * (len(t1) + len(t2)) / 2 + 4, (t1, x1, t2, x2)
+    width = float(root.get("width"))
+    assert all(x + 3.5 * len(t) <= width for x, t in ticks), ticks  # none clipped at the right edge
+    bound = next(t for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text == "bound (ratio 1)")
+    x = float(bound.get("x"))
+    if bound.get("text-anchor") == "end":
+        assert x - 7 * len(bound.text) >= 0
+    else:
+        assert x + 7 * len(bound.text) <= width
+
+
+def test_histogram_ticks_unchanged_for_narrow_range() -> None:
+    """Up to ten decades every one is labelled, as before the stride was introduced."""
+    ticks, _ = _tick_labels(svg_histogram([1e-5, 0.3, 2.0, 40.0]))
+    assert [t for _, t in ticks] == [f"1e{d}" for d in range(-5, 2)]
 
 
 def test_build_time_1000_rows(tmp_path: Path, write_synthetic_db) -> None:

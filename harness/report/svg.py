@@ -68,13 +68,23 @@ def svg_histogram(
         )
     parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
     parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
-    for d in range(math.ceil(lo), math.floor(hi) + 1):
+    first, last = math.ceil(lo), math.floor(hi)
+    px_per_decade = pw / (hi - lo)
+    stride = _decade_stride(first, last, px_per_decade, right_margin=mr)
+    for d in range(first, last + 1):
+        labelled = d % stride == 0  # multiples of the stride, so 1e0 (the bound) always gets a label
+        if not labelled and px_per_decade < _MIN_TICK_PX:
+            continue  # unlabelled decade ticks this close together would only draw a comb
         x = xpos(d)
         parts.append(f'<line class="tick" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 5}"/>')
-        parts.append(f'<text class="label" x="{x:.1f}" y="{mt + ph + 18}" text-anchor="middle">1e{d}</text>')
+        if labelled:
+            tx = min(x, width - _label_px(f"1e{d}") / 2)  # a long label on the right edge stays inside
+            parts.append(
+                f'<text class="label" x="{tx:.1f}" y="{mt + ph + 18}" text-anchor="middle">1e{d}</text>'
+            )
     x0 = xpos(0.0)
     parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
-    parts.append(f'<text class="label" x="{x0 + 4:.1f}" y="{mt + 10}">bound (ratio 1)</text>')
+    parts.append(_bound_label(x0, mt + 10, right_edge=width))
     for frac in (0.5, 1.0):
         y = mt + ph - frac * ph
         parts.append(
@@ -86,6 +96,48 @@ def svg_histogram(
     )
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+# Tick labels are 11px (style.css ``svg .label``); 7px per character over-estimates their width a little,
+# so labels spaced by the estimate never touch.
+_LABEL_PX_PER_CHAR = 7
+_LABEL_GAP_PX = 8
+_MAX_TICK_LABELS = 10
+_MIN_TICK_PX = 4  # closest spacing at which unlabelled decade ticks still read as ticks
+_BOUND_TEXT = "bound (ratio 1)"
+
+
+def _label_px(text: str) -> int:
+    return len(text) * _LABEL_PX_PER_CHAR
+
+
+def _decade_stride(first: int, last: int, px_per_decade: float, *, right_margin: float) -> int:
+    """Smallest 1-2-5 stride (in decades) whose labels neither overlap nor exceed the label budget.
+
+    Without it every decade gets a label, and a run with ratios from 1e-300 to 1e3 (a vanishing
+    output next to a broken one) prints hundreds of labels on top of each other. The spacing also
+    covers the shift of a last label pulled in from the right edge.
+    """
+    longest = max(_label_px(f"1e{d}") for d in (first, last))
+    widest = longest + _LABEL_GAP_PX + max(0.0, longest / 2 - right_margin)
+    mantissa, scale = 0, 1
+    while True:
+        stride = (1, 2, 5)[mantissa] * scale
+        n_labels = last // stride - -(-first // stride) + 1  # multiples of stride in [first, last]
+        if stride * px_per_decade >= widest and n_labels <= _MAX_TICK_LABELS:
+            return stride
+        mantissa = (mantissa + 1) % 3
+        scale *= 10 if mantissa == 0 else 1
+
+
+def _bound_label(x: float, y: float, *, right_edge: float) -> str:
+    """The 'bound (ratio 1)' caption right of the bound line, or left of it when it would be clipped.
+
+    The bound sits only half a decade from the right edge at minimum, which is a few pixels on a wide range.
+    """
+    if x + 4 + _label_px(_BOUND_TEXT) <= right_edge:
+        return f'<text class="label" x="{x + 4:.1f}" y="{y}">{_BOUND_TEXT}</text>'
+    return f'<text class="label" x="{x - 4:.1f}" y="{y}" text-anchor="end">{_BOUND_TEXT}</text>'
 
 
 def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 1.0) -> Markup:
