@@ -14,8 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.report.build import build_report, main_report, safe_name
+from harness.report.build import build_report, main_report
 from harness.report.svg import svg_bars, svg_histogram
+from harness.report.views import safe_name
 from harness.results.store import CollectiveRow, ResultRow, ResultStore, RunInfo
 
 S = {"ops": "young"}

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.report.build import build_report, safe_name
+from harness.report.build import build_report
+from harness.report.views import safe_name
 from harness.results.store import ResultStore
 
 pytestmark = pytest.mark.browser

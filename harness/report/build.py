@@ -14,10 +14,8 @@ other characters, so per-model pages get sanitised names plus a hash (:func:`saf
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -28,292 +26,27 @@ import jinja2
 import pandas as pd
 
 from harness import __version__
-from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
+from harness.analysis.diff import diff_runs, previous_comparable
 from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
 from harness.outcomes import COLOURS, OUTCOMES, REFERENCE_SIDE
-from harness.report.svg import _num, svg_bars, svg_histogram, svg_outcome_bar
+from harness.report.svg import _num, svg_histogram, svg_outcome_bar
+from harness.report.views import (
+    _text,
+    collectives_view,
+    diff_view,
+    fmt,
+    history_view,
+    matrix_data,
+    records,
+    row_view,
+    safe_name,
+)
 from harness.results.store import ResultStore, StoreError, utc_now
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
-
-
-# ----------------------------------------------------------------------------------------------
-# Small helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def safe_name(model_id: str) -> str:
-    """A portable file stem for ``model_id``: sanitised text plus a hash so 'a/b' and 'a_b' differ."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._-")[:80] or "model"
-    digest = hashlib.sha1(model_id.encode("utf-8")).hexdigest()[:8]
-    return f"{stem}-{digest}"
-
-
-def _json_num(v: Any) -> float | str | None:
-    """Number for embedded JSON: JSON has no NaN/Infinity, so infinities become strings."""
-    f = _num(v)
-    if f is None or math.isfinite(f):
-        return f
-    return "Infinity" if f > 0 else "-Infinity"
-
-
-def fmt(v: Any, digits: int = 3) -> str:
-    """Compact number formatting for tables ('-' for missing)."""
-    f = _num(v)
-    if f is None:
-        return "" if v is None or isinstance(v, float) else str(v)
-    if math.isinf(f):
-        return "inf" if f > 0 else "-inf"
-    if f == 0:
-        return "0"
-    if abs(f) >= 1e4 or abs(f) < 1e-3:
-        return f"{f:.{digits - 1}e}"
-    return f"{f:.{digits}g}"
-
-
-def _text(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    return str(v)
-
-
-def _size(n: Any) -> str:
-    n = int(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data shaping
-# ----------------------------------------------------------------------------------------------
-
-
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    return df.to_dict("records") if not df.empty else []
-
-
-def _row_view(r: dict[str, Any]) -> dict[str, Any]:
-    """Everything one model page needs for one (target, settings) row, with numbers formatted."""
-    metrics = r.get("metrics") or {}
-    outputs = []
-    if isinstance(metrics, dict):
-        for name, m in metrics.items():
-            m = m if isinstance(m, dict) else {"value": m}
-            outputs.append(
-                {
-                    "name": name,
-                    "rmse_target": fmt(m.get("rmse_target")),
-                    "rmse_ref": fmt(m.get("rmse_ref")),
-                    "bound": fmt(m.get("bound")),
-                    "ratio": fmt(m.get("rmse_ratio")),
-                    "drifts": (_num(m.get("rmse_ratio")) or 0) > 1,
-                    "nonfinite": bool(m.get("nonfinite")),
-                    "note": _text(m.get("note")),
-                    "cosine": fmt(m.get("cosine"), 9),
-                    "max_abs": fmt(m.get("max_abs")),
-                    "max_rel": fmt(m.get("max_rel")),
-                    "ok": m.get("ok"),
-                    "shape": "x".join(str(s) for s in m["shape"])
-                    if isinstance(m.get("shape"), list)
-                    else _text(m.get("shape")),
-                    "dtype": _text(m.get("dtype")),
-                }
-            )
-    attempts = []
-    for a in r.get("attempts") or []:
-        if isinstance(a, dict):
-            attempts.append({k: (fmt(v) if isinstance(v, float) else _text(v)) for k, v in a.items()})
-    attempt_cols = sorted(
-        {k for a in attempts for k in a},
-        key=lambda k: (
-            ["device", "outcome", "error_type", "exit_code", "signal", "duration_s"].index(k)
-            if k in ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
-            else 99,
-            k,
-        ),
-    )
-    timings = [
-        (label, fmt(r.get(key)))
-        for label, key in (
-            ("load (s)", "load_time_s"),
-            ("reference (s)", "ref_time_s"),
-            ("target (s)", "target_time_s"),
-            ("wall (s)", "wall_time_s"),
-            ("peak RSS (MB)", "peak_rss_mb"),
-        )
-        if _num(r.get(key)) is not None
-    ]
-    return {
-        "config": r["config"],
-        "outcome": r["outcome"],
-        "fields": [
-            (k, _text(r.get(k)))
-            for k in (
-                "arch",
-                "task",
-                "modality",
-                "device",
-                "error_type",
-                "unsupported_op",
-                "exit_code",
-                "signal",
-            )
-            if _text(r.get(k)) not in ("", "nan")
-        ],
-        "drift_module": _text(r.get("first_drift_module")),
-        "drift_module_type": _text(r.get("first_drift_module_type")),
-        "numbers": [
-            (label, fmt(r.get(key), 9 if key == "min_cosine" else 3))
-            for label, key in (
-                ("rmse_ratio", "rmse_ratio"),
-                ("max_abs_err", "max_abs_err"),
-                ("max_rel_err", "max_rel_err"),
-                ("min_cosine", "min_cosine"),
-            )
-            if _num(r.get(key)) is not None
-        ],
-        "error_message": _text(r.get("error_message")),
-        "traceback": _text(r.get("traceback")),
-        "outputs": outputs,
-        "attempts": attempts,
-        "attempt_cols": attempt_cols,
-        "timings": timings,
-        "versions": [
-            (k, _text(r.get(k))) for k in ("torch_version", "transformers_version", "harness_version")
-        ],
-        "finished_at": _text(r.get("finished_at")),
-    }
-
-
-def _matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> dict[str, Any]:
-    """Compact JSON for the matrix page: one entry per model, one outcome per config column."""
-    grouped: dict[str, dict[str, dict[str, Any]]] = {}
-    for rec in _records(df):
-        grouped.setdefault(rec["model_id"], {})[rec["config"]] = rec
-    rows = []
-    for model in sorted(grouped):
-        by_cfg = grouped[model]
-        first = next(iter(by_cfg.values()))
-        ratios = [_num(r.get("rmse_ratio")) for r in by_cfg.values()]
-        ratios = [x for x in ratios if x is not None]
-        walls = [_num(r.get("wall_time_s")) for r in by_cfg.values()]
-        walls = [x for x in walls if x is not None]
-        ops = sorted({_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
-        errs = sorted({_text(r.get("error_type")) for r in by_cfg.values()} - {""})
-        rows.append(
-            {
-                "model": model,
-                "href": hrefs[model],
-                "arch": _text(first.get("arch")),
-                "task": _text(first.get("task")),
-                "modality": _text(first.get("modality")),
-                "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
-                "rmse_ratio": _json_num(max(ratios)) if ratios else None,
-                "op": ", ".join(ops),
-                "error": ", ".join(errs),
-                "wall": _json_num(max(walls)) if walls else None,
-            }
-        )
-    return {"configs": configs, "outcomes": list(OUTCOMES), "rows": rows}
-
-
-def _history(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    if hist.empty:
-        return out
-    hist = with_config(hist)
-    for r in hist.to_dict("records"):
-        out.setdefault(r["model_id"], []).append(
-            {
-                "run_id": r["run_id"],
-                "started_at": _text(r.get("run_started_at")),
-                "list_name": _text(r.get("list_name")),
-                "config": r["config"],
-                "outcome": r["outcome"],
-                "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "detail": _text(r.get("unsupported_op")) or _text(r.get("error_type")),
-            }
-        )
-    return out
-
-
-def _diff_view(res: DiffResult, hrefs: dict[str, str]) -> dict[str, Any]:
-    def rows(items: list) -> list[dict[str, Any]]:
-        return [
-            {
-                "model": c.model_id,
-                "href": hrefs.get(c.model_id),
-                "config": c.config,
-                "base": c.base_outcome or "-",
-                "head": c.head_outcome or "-",
-                "base_ratio": fmt(c.base_rmse_ratio),
-                "head_ratio": fmt(c.head_rmse_ratio),
-                "detail": c.detail,
-            }
-            for c in items
-        ]
-
-    worse = [c for c in res.outcome_changes if c.direction == "worse"]
-    other = [c for c in res.outcome_changes if c.direction != "worse"]
-    sections = [
-        ("New failures", "regression", res.new_failures),
-        ("Worse outcomes", "regression", worse),
-        (f"Drift grew more than {res.drift_factor:g}x", "regression", res.drift_grew),
-        ("Fixes", "fix", res.fixes),
-        ("Other outcome changes", "", other),
-        ("Drift grew among passing models (not gating)", "", res.drift_warnings),
-        ("Reference / load changes (not target regressions)", "", res.ref_changes),
-        ("Flaky", "", res.flaky),
-        ("Known-flaky allowlist (not counted)", "", res.allowlisted),
-        ("Added", "", res.added),
-        ("Removed", "", res.removed),
-    ]
-    return {
-        "base_run": res.base_run,
-        "head_run": res.head_run,
-        "n_regressions": len(res.regressions),
-        "unchanged": res.unchanged,
-        "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in sections],
-    }
-
-
-def _collectives_view(coll: pd.DataFrame) -> list[dict[str, Any]]:
-    groups = []
-    if coll.empty:
-        return groups
-    for (op, backend, world), g in coll.groupby(["op", "backend", "world_size"], sort=True):
-        g = g.sort_values(["size_bytes", "setting"])
-        items, table = [], []
-        for r in g.to_dict("records"):
-            label = f"{r['setting']} @ {_size(r['size_bytes'])}"
-            items.append(
-                {"label": label, "value": r.get("ratio"), "lo": r.get("ratio_p10"), "hi": r.get("ratio_p90")}
-            )
-            table.append(
-                {
-                    "setting": _text(r["setting"]),
-                    "baseline": _text(r.get("baseline_setting")),
-                    "size": _size(r["size_bytes"]),
-                    "size_bytes": int(r["size_bytes"]),
-                    "median_ms": fmt((_num(r.get("median_s")) or 0) * 1e3),
-                    "p10_ms": fmt((_num(r.get("p10_s")) or 0) * 1e3),
-                    "p90_ms": fmt((_num(r.get("p90_s")) or 0) * 1e3),
-                    "repeats": _text(r.get("repeats")),
-                    "ratio": fmt(r.get("ratio")),
-                    "ratio_range": f"{fmt(r.get('ratio_p10'))} - {fmt(r.get('ratio_p90'))}",
-                    "target": _text(r.get("target")),
-                }
-            )
-        groups.append(
-            {"op": op, "backend": backend, "world_size": int(world), "svg": svg_bars(items), "rows": table}
-        )
-    return groups
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +180,7 @@ def build_report(
             env.get_template(name).render(**common, root=root, active=dest.name, **ctx), encoding="utf-8"
         )
 
-    rates = {by: _records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")}
+    rates = {by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")}
     render(
         "index.html",
         out / "index.html",
@@ -459,7 +192,7 @@ def build_report(
         outcome_bar=svg_outcome_bar(counts),
         row_versions=row_versions,
         rates=rates,
-        runs=[{k: _text(v) for k, v in r.items() if k != "settings"} for r in _records(runs)],
+        runs=[{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
         configs=configs,
         diff=None
         if res is None
@@ -468,7 +201,7 @@ def build_report(
     render(
         "matrix.html",
         out / "matrix.html",
-        data=_matrix_data(df, configs, hrefs)
+        data=matrix_data(df, configs, hrefs)
         if total
         else {"configs": [], "outcomes": list(OUTCOMES), "rows": []},
         total=total,
@@ -478,7 +211,7 @@ def build_report(
     render(
         "ops.html",
         out / "ops.html",
-        ops=_records(cov),
+        ops=records(cov),
         has_opinfo=opinfo_csv is not None,
         opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
         hrefs=hrefs,
@@ -511,23 +244,23 @@ def build_report(
                 "module": _text(r.get("first_drift_module")),
                 "module_type": _text(r.get("first_drift_module_type")),
             }
-            for r in _records(worst)
+            for r in records(worst)
             if _num(r.get("rmse_ratio")) is not None
         ],
     )
     render(
         "collectives.html",
         out / "collectives.html",
-        groups=_collectives_view(coll),
+        groups=collectives_view(coll),
         coll_run=coll_run if coll_run and coll_run != rid else "",
     )
     if res is not None:
-        render("diff.html", out / "diff.html", diff=_diff_view(res, hrefs), base_from=base[2] if base else "")
+        render("diff.html", out / "diff.html", diff=diff_view(res, hrefs), base_from=base[2] if base else "")
 
-    history = _history(hist)
+    history = history_view(hist)
     model_tpl = env.get_template("model.html")
     by_model: dict[str, list[dict[str, Any]]] = {}
-    for r in _records(df):
+    for r in records(df):
         by_model.setdefault(r["model_id"], []).append(r)
     for model, rows in by_model.items():
         (out / hrefs[model]).write_text(
@@ -536,7 +269,7 @@ def build_report(
                 root="../",
                 active="",
                 model_id=model,
-                rows=[_row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
+                rows=[row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
                 history=history.get(model, []),
             ),
             encoding="utf-8",

@@ -19,7 +19,7 @@ from harness.outcomes import COLOURS, OUTCOMES
 
 
 def _num(v: Any) -> float | None:
-    """A finite float or None (NaN/None); infinities kept (they sort last and print as inf)."""
+    """``v`` as a float, or None for None, NaN and non-numbers; infinities are kept (they print as inf)."""
     if v is None:
         return None
     try:
