@@ -1,24 +1,19 @@
-"""Static HTML report built from the result store.
+"""Build the report site: read the run from the store, prepare the output dir, render each page.
 
-The site must open straight from disk (``file://``), offline, from a CI artifact: so no server,
-no CDN, no ``fetch`` (browsers block it on ``file://``). Table data is embedded as JSON in a
-``<script type="application/json">`` block, plots are inline SVG drawn here in Python, and the
-vanilla JS in ``reports/assets`` only filters and sorts.
-
-Everything that came from a model (ids, error messages, tracebacks) is untrusted text: Jinja2
-autoescaping is on for every template, embedded JSON goes through ``|tojson`` (which escapes
-``<``, ``>`` and ``&``) and the JS only ever assigns ``textContent``. Model ids contain ``/`` and
-other characters, so per-model pages get sanitised names plus a hash (:func:`safe_name`).
+The DB is read completely before anything is written, so a bad DB or run id never touches
+``out_dir``; and ``out_dir`` is only rebuilt when it is empty or holds a previous report.
+Every template is rendered with autoescaping on: model ids, error messages and tracebacks are
+untrusted text and must never become markup.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +21,21 @@ import jinja2
 import pandas as pd
 
 from harness import __version__
-from harness.analysis.diff import diff_runs, previous_comparable
-from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import COLOURS, OUTCOMES, REFERENCE_SIDE
-from harness.report.svg import _num, svg_histogram, svg_outcome_bar
+from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
+from harness.analysis.matrix import op_coverage, outcome_counts, with_config
+from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.views import (
-    _text,
     collectives_view,
     diff_view,
+    drift_view,
     fmt,
     history_view,
     matrix_data,
     records,
     row_view,
+    run_view,
     safe_name,
+    summary_view,
 )
 from harness.results.store import ResultStore, StoreError, utc_now
 
@@ -47,16 +43,81 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
+NAV = (
+    ("index.html", "Summary"),
+    ("matrix.html", "Matrix"),
+    ("ops.html", "Op coverage"),
+    ("drift.html", "Drift"),
+    ("collectives.html", "Collectives"),
+)
 
 
 # ----------------------------------------------------------------------------------------------
-# Build
+# Input and output
 # ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RunData:
+    """What the pages need from the store, read in one go so the DB is closed before writing."""
+
+    run_id: str
+    df: pd.DataFrame  # the run's results, with a ``config`` column
+    runs: pd.DataFrame  # every run in the DB
+    run: dict[str, Any]  # the selected run's row of ``runs``
+    hist: pd.DataFrame  # every result in the DB, for the model pages' history
+    coll: pd.DataFrame  # collective benchmarks shown on the collectives page
+    coll_run: str | None  # the run they come from
+    base: tuple[str, pd.DataFrame, str] | None  # diff base: run id, its results, where from
+
+
+def _load(
+    db_path: str | os.PathLike, run_id: str | None, base_run: str | None, base_db: str | os.PathLike | None
+) -> _RunData:
+    """Read the run (default: the latest with results) and everything around it from the store."""
+    with ResultStore(db_path, create=False) as store:
+        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
+        if rid is None:
+            raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
+        df = with_config(store.results(rid))  # raises StoreError for an unknown run id
+        runs = store.runs()
+        # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
+        # else the latest benchmark run in the DB.
+        coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
+        return _RunData(
+            run_id=rid,
+            df=df,
+            runs=runs,
+            run=runs[runs.run_id == rid].iloc[0].to_dict(),
+            hist=store.history(),
+            coll=store.collectives(coll_run) if coll_run else store.collectives(rid),
+            coll_run=coll_run,
+            base=_resolve_base(store, rid, base_run, base_db),
+        )
+
+
+def _resolve_base(
+    store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None
+) -> tuple[str, pd.DataFrame, str] | None:
+    """(base run id, its results, where from), or None when there is nothing to compare with."""
+    if base_db is not None:
+        with ResultStore(base_db, create=False) as bs:
+            rid = base_run or bs.latest_run(has_results=True)
+            if rid is None:
+                raise StoreError(f"base DB {base_db} contains no runs")
+            return rid, bs.results(rid), str(base_db)
+    rid = base_run or previous_comparable(store, run_id)
+    if rid is None:
+        return None
+    return rid, store.results(rid), "this DB"
 
 
 def _env() -> jinja2.Environment:
+    """Jinja environment over the templates shipped in the package."""
     if not TEMPLATES_DIR.is_dir():
-        raise FileNotFoundError(f"report templates not found in {TEMPLATES_DIR} (a broken install: reinstall portharness)")
+        raise FileNotFoundError(
+            f"report templates not found in {TEMPLATES_DIR} (a broken install: reinstall portharness)"
+        )
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         autoescape=True,  # every template: model-supplied text must never become markup
@@ -89,26 +150,96 @@ def _prepare_out(out: Path) -> None:
     assets = out / "assets"
     assets.mkdir(exist_ok=True)
     if not ASSETS_DIR.is_dir():
-        raise FileNotFoundError(f"report assets not found in {ASSETS_DIR} (a broken install: reinstall portharness)")
+        raise FileNotFoundError(
+            f"report assets not found in {ASSETS_DIR} (a broken install: reinstall portharness)"
+        )
     for f in ASSETS_DIR.iterdir():
         if f.is_file():
             shutil.copyfile(f, assets / f.name)
 
 
-def _resolve_base(
-    store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None
-) -> tuple[str, pd.DataFrame, str] | None:
-    """(base run id, its results, where from), or None when there is nothing to compare with."""
-    if base_db is not None:
-        with ResultStore(base_db, create=False) as bs:
-            rid = base_run or bs.latest_run(has_results=True)
-            if rid is None:
-                raise StoreError(f"base DB {base_db} contains no runs")
-            return rid, bs.results(rid), str(base_db)
-    rid = base_run or previous_comparable(store, run_id)
-    if rid is None:
-        return None
-    return rid, store.results(rid), "this DB"
+# ----------------------------------------------------------------------------------------------
+# Pages
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where and how pages are written; ``common`` is what every page's base template shows."""
+
+    env: jinja2.Environment
+    out: Path
+    common: dict[str, Any]
+
+    def render(
+        self, template: str, rel: str, *, root: str = "", active: str | None = None, **ctx: Any
+    ) -> None:
+        dest = self.out / rel
+        page = self.env.get_template(template).render(
+            **self.common, root=root, active=dest.name if active is None else active, **ctx
+        )
+        dest.write_text(page, encoding="utf-8")
+
+
+def _common(data: _RunData, db_path: str | os.PathLike, *, has_diff: bool) -> dict[str, Any]:
+    return {
+        **run_view(data.run),
+        "nav": list(NAV) + ([("diff.html", "Diff")] if has_diff else []),
+        "generated_at": utc_now(),
+        "harness_version": __version__,
+        "db_name": Path(db_path).name,
+    }
+
+
+def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResult | None) -> None:
+    site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res))
+
+
+def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
+    total = sum(outcome_counts(df).values())
+    empty = {"configs": [], "outcomes": list(OUTCOMES), "rows": []}
+    site.render(
+        "matrix.html", "matrix.html", data=matrix_data(df, configs, hrefs) if total else empty, total=total
+    )
+
+
+def _render_ops(
+    site: _Site, df: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str]
+) -> None:
+    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()  # reads the OpInfo CSV
+    site.render(
+        "ops.html",
+        "ops.html",
+        ops=records(cov),
+        has_opinfo=opinfo_csv is not None,
+        opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
+        hrefs=hrefs,
+    )
+
+
+def _render_collectives(site: _Site, data: _RunData) -> None:
+    # Name the benchmark run only when it is not the run the rest of the site shows.
+    other_run = data.coll_run if data.coll_run and data.coll_run != data.run_id else ""
+    site.render(
+        "collectives.html", "collectives.html", groups=collectives_view(data.coll), coll_run=other_run
+    )
+
+
+def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:
+    history = history_view(hist)
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for r in records(df):
+        by_model.setdefault(r["model_id"], []).append(r)
+    for model, rows in by_model.items():
+        site.render(
+            "model.html",
+            hrefs[model],
+            root="../",
+            active="",
+            model_id=model,
+            rows=[row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
+            history=history.get(model, []),
+        )
 
 
 def build_report(
@@ -127,171 +258,29 @@ def build_report(
     """
     out = Path(out_dir)
     env = _env()
-    with ResultStore(db_path, create=False) as store:
-        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
-        if rid is None:
-            raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
-        df = with_config(store.results(rid))  # raises StoreError for an unknown run id
-        runs = store.runs()
-        run = runs[runs.run_id == rid].iloc[0].to_dict()
-        hist = store.history()
-        # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
-        # else the latest benchmark run in the DB.
-        coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
-        coll = store.collectives(coll_run) if coll_run else store.collectives(rid)
-        base = _resolve_base(store, rid, base_run, base_db)
+    data = _load(db_path, run_id, base_run, base_db)
     _prepare_out(out)
-
+    df, base = data.df, data.base
+    res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
+    site = _Site(env, out, _common(data, db_path, has_diff=res is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
     models = sorted(df["model_id"].unique()) if not df.empty else []
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
-    counts = outcome_counts(df)
-    total = sum(counts.values())
-    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
-    res = None
-    if base is not None:
-        res = diff_runs(base[1], df, base_run=base[0], head_run=rid)
 
-    nav = [
-        ("index.html", "Summary"),
-        ("matrix.html", "Matrix"),
-        ("ops.html", "Op coverage"),
-        ("drift.html", "Drift"),
-        ("collectives.html", "Collectives"),
-    ]
-    if res is not None:
-        nav.append(("diff.html", "Diff"))
-    row_versions = {
-        k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else []
-        for k in ("torch_version", "transformers_version", "harness_version")
-    }
-    common = {
-        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
-        "run_settings": run.get("settings") or {},
-        "run_label": settings_label(run["target"], run.get("settings") or {}),
-        "nav": nav,
-        "generated_at": utc_now(),
-        "harness_version": __version__,
-        "db_name": Path(db_path).name,
-    }
-
-    def render(name: str, dest: Path, root: str = "", **ctx: Any) -> None:
-        dest.write_text(
-            env.get_template(name).render(**common, root=root, active=dest.name, **ctx), encoding="utf-8"
-        )
-
-    rates = {by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")}
-    render(
-        "index.html",
-        out / "index.html",
-        counts=counts,
-        total=total,
-        n_models=len(models),
-        pass_rate=(counts["pass"] / total) if total else None,
-        target_pass_rate=(counts["pass"] / not_ref) if not_ref else None,
-        outcome_bar=svg_outcome_bar(counts),
-        row_versions=row_versions,
-        rates=rates,
-        runs=[{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
-        configs=configs,
-        diff=None
-        if res is None
-        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
-    )
-    render(
-        "matrix.html",
-        out / "matrix.html",
-        data=matrix_data(df, configs, hrefs)
-        if total
-        else {"configs": [], "outcomes": list(OUTCOMES), "rows": []},
-        total=total,
-    )
-
-    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()
-    render(
-        "ops.html",
-        out / "ops.html",
-        ops=records(cov),
-        has_opinfo=opinfo_csv is not None,
-        opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
-        hrefs=hrefs,
-    )
-
-    ratios = [_num(v) for v in df["rmse_ratio"]] if not df.empty else []
-    finite = [v for v in ratios if v is not None]
-    worst = (
-        df.assign(_r=[_num(v) if _num(v) is not None else -1 for v in df["rmse_ratio"]])
-        .sort_values("_r", ascending=False)
-        .head(25)
-        if not df.empty
-        else df
-    )
-    render(
-        "drift.html",
-        out / "drift.html",
-        svg=svg_histogram(finite),
-        n_ratios=len(finite),
-        n_zero=sum(1 for v in finite if v == 0),
-        n_inf=sum(1 for v in finite if math.isinf(v)),
-        n_over=sum(1 for v in finite if v > 1),
-        worst=[
-            {
-                "model": r["model_id"],
-                "href": hrefs[r["model_id"]],
-                "config": r["config"],
-                "outcome": r["outcome"],
-                "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "module": _text(r.get("first_drift_module")),
-                "module_type": _text(r.get("first_drift_module_type")),
-            }
-            for r in records(worst)
-            if _num(r.get("rmse_ratio")) is not None
-        ],
-    )
-    render(
-        "collectives.html",
-        out / "collectives.html",
-        groups=collectives_view(coll),
-        coll_run=coll_run if coll_run and coll_run != rid else "",
-    )
-    if res is not None:
-        render("diff.html", out / "diff.html", diff=diff_view(res, hrefs), base_from=base[2] if base else "")
-
-    history = history_view(hist)
-    model_tpl = env.get_template("model.html")
-    by_model: dict[str, list[dict[str, Any]]] = {}
-    for r in records(df):
-        by_model.setdefault(r["model_id"], []).append(r)
-    for model, rows in by_model.items():
-        (out / hrefs[model]).write_text(
-            model_tpl.render(
-                **common,
-                root="../",
-                active="",
-                model_id=model,
-                rows=[row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
-                history=history.get(model, []),
-            ),
-            encoding="utf-8",
-        )
+    _render_index(site, data, configs, res)
+    _render_matrix(site, df, configs, hrefs)
+    _render_ops(site, df, opinfo_csv, hrefs)
+    site.render("drift.html", "drift.html", **drift_view(df, hrefs))
+    _render_collectives(site, data)
+    if res is not None and base is not None:
+        site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
+    _render_models(site, df, data.hist, hrefs)
     return out / "index.html"
 
 
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness report`` (for harness/cli.py to reuse)."""
-    parser.add_argument("--db", required=True, help="portharness SQLite DB")
-    parser.add_argument("--out", default="reports/site", help="output directory (default reports/site)")
-    parser.add_argument("--run", default=None, help="run id (default: latest run)")
-    parser.add_argument("--base", default=None, help="base run id in the same DB for the diff page")
-    parser.add_argument(
-        "--base-db", dest="base_db", default=None, help="DB whose latest run is the diff base"
-    )
-    parser.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (op,passed,skipped,failed)")
 
 
 def main_report(args: argparse.Namespace) -> int:

@@ -15,11 +15,11 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.diff import DiffResult
-from harness.analysis.matrix import with_config
-from harness.outcomes import OUTCOMES
+from harness.analysis.matrix import outcome_counts, pass_rates, settings_label, with_config
+from harness.outcomes import OUTCOMES, REFERENCE_SIDE
 
 # _num lives with the SVG code, which sits below this module (views embed charts, never the reverse).
-from harness.report.svg import _num, svg_bars
+from harness.report.svg import _num, svg_bars, svg_histogram, svg_outcome_bar
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -73,6 +73,84 @@ def _size(n: Any) -> str:
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:
     """Rows of ``df`` as dicts ([] for an empty frame, which may lack the expected columns)."""
     return df.to_dict("records") if not df.empty else []
+
+
+# ----------------------------------------------------------------------------------------------
+# Every page's header, summary and drift pages
+# ----------------------------------------------------------------------------------------------
+
+_VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
+
+
+def run_view(run: dict[str, Any]) -> dict[str, Any]:
+    """The selected run as every page's header shows it (settings apart: they are a dict)."""
+    settings = run.get("settings") or {}
+    return {
+        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
+        "run_settings": settings,
+        "run_label": settings_label(run["target"], settings),
+    }
+
+
+def summary_view(
+    df: pd.DataFrame, runs: pd.DataFrame, configs: list[str], res: DiffResult | None
+) -> dict[str, Any]:
+    """The index page: outcome counts and pass rates of ``df``, all runs in the DB, the diff headline."""
+    counts = outcome_counts(df)
+    total = sum(counts.values())
+    # Load/reference failures say nothing about the target, so the target pass rate leaves them out.
+    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
+    return {
+        "counts": counts,
+        "total": total,
+        "n_models": len(df["model_id"].unique()) if not df.empty else 0,
+        "pass_rate": (counts["pass"] / total) if total else None,
+        "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
+        "outcome_bar": svg_outcome_bar(counts),
+        "row_versions": {
+            k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in _VERSION_KEYS
+        },
+        "rates": {
+            by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")
+        },
+        "runs": [{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
+        "configs": configs,
+        "diff": None
+        if res is None
+        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
+    }
+
+
+def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) -> dict[str, Any]:
+    """The drift page: histogram of every rmse_ratio and the ``n_worst`` largest ones."""
+    ratios = [x for x in (_num(v) for v in df["rmse_ratio"]) if x is not None] if not df.empty else []
+    worst = (
+        df.assign(_r=[_num(v) if _num(v) is not None else -1 for v in df["rmse_ratio"]])
+        .sort_values("_r", ascending=False)
+        .head(n_worst)
+        if not df.empty
+        else df
+    )
+    return {
+        "svg": svg_histogram(ratios),
+        "n_ratios": len(ratios),
+        "n_zero": sum(1 for v in ratios if v == 0),
+        "n_inf": sum(1 for v in ratios if math.isinf(v)),
+        "n_over": sum(1 for v in ratios if v > 1),
+        "worst": [
+            {
+                "model": r["model_id"],
+                "href": hrefs[r["model_id"]],
+                "config": r["config"],
+                "outcome": r["outcome"],
+                "rmse_ratio": fmt(r.get("rmse_ratio")),
+                "module": _text(r.get("first_drift_module")),
+                "module_type": _text(r.get("first_drift_module_type")),
+            }
+            for r in records(worst)
+            if _num(r.get("rmse_ratio")) is not None
+        ],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,9 +227,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "attempts": attempts,
         "attempt_cols": attempt_cols,
         "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if _num(r.get(key)) is not None],
-        "versions": [
-            (k, _text(r.get(k))) for k in ("torch_version", "transformers_version", "harness_version")
-        ],
+        "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],
         "finished_at": _text(r.get("finished_at")),
     }
 
