@@ -29,75 +29,6 @@ def _num(v: Any) -> float | None:
     return None if math.isnan(f) else f
 
 
-def svg_histogram(
-    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
-) -> Markup:
-    """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
-    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
-    if not logs:
-        return Markup('<p class="empty">no finite positive rmse_ratio values in this run</p>')
-    lo = math.floor(min(min(logs), -1.0) / bin_width) * bin_width
-    hi = math.ceil(max(max(logs), 0.5) / bin_width) * bin_width
-    if hi - lo < bin_width:
-        hi = lo + bin_width
-    nbins = max(1, round((hi - lo) / bin_width))
-    counts = [0] * nbins
-    for x in logs:
-        counts[min(nbins - 1, int((x - lo) / bin_width))] += 1
-    top = max(counts)
-    ml, mr, mt, mb = 44, 12, 14, 40
-    pw, ph = width - ml - mr, height - mt - mb
-    bw = pw / nbins
-
-    def xpos(v: float) -> float:
-        return ml + (v - lo) / (hi - lo) * pw
-
-    parts = [
-        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="histogram of log10 rmse_ratio">'
-    ]
-    for i, c in enumerate(counts):
-        if not c:
-            continue
-        h = c / top * ph
-        left = lo + i * bin_width
-        cls = "bar drift" if left >= 0 else "bar ok"
-        parts.append(
-            f'<rect class="{cls}" x="{ml + i * bw + 1:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 2, 1):.1f}" '
-            f'height="{h:.1f}"><title>10^{left:g} .. 10^{left + bin_width:g}: {c}</title></rect>'
-        )
-    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
-    parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
-    first, last = math.ceil(lo), math.floor(hi)
-    px_per_decade = pw / (hi - lo)
-    stride = _decade_stride(first, last, px_per_decade, right_margin=mr)
-    for d in range(first, last + 1):
-        labelled = d % stride == 0  # multiples of the stride, so 1e0 (the bound) always gets a label
-        if not labelled and px_per_decade < _MIN_TICK_PX:
-            continue  # unlabelled decade ticks this close together would only draw a comb
-        x = xpos(d)
-        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 5}"/>')
-        if labelled:
-            tx = min(x, width - _label_px(f"1e{d}") / 2)  # a long label on the right edge stays inside
-            parts.append(
-                f'<text class="label" x="{tx:.1f}" y="{mt + ph + 18}" text-anchor="middle">1e{d}</text>'
-            )
-    x0 = xpos(0.0)
-    parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
-    parts.append(_bound_label(x0, mt + 10, right_edge=width))
-    for frac in (0.5, 1.0):
-        y = mt + ph - frac * ph
-        parts.append(
-            f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{round(top * frac)}</text>'
-        )
-    parts.append(
-        f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
-        "rmse(fp64, target) / allowed bound (log scale)</text>"
-    )
-    parts.append("</svg>")
-    return Markup("".join(parts))
-
-
 # Tick labels are 11px (style.css ``svg .label``); 7px per character over-estimates their width a little,
 # so labels spaced by the estimate never touch.
 _LABEL_PX_PER_CHAR = 7
@@ -138,6 +69,84 @@ def _bound_label(x: float, y: float, *, right_edge: float) -> str:
     if x + 4 + _label_px(_BOUND_TEXT) <= right_edge:
         return f'<text class="label" x="{x + 4:.1f}" y="{y}">{_BOUND_TEXT}</text>'
     return f'<text class="label" x="{x - 4:.1f}" y="{y}" text-anchor="end">{_BOUND_TEXT}</text>'
+
+
+def _decade_ticks(
+    lo: float, hi: float, *, left: float, plot_width: float, axis_y: float, width: int, right_margin: float
+) -> list[str]:
+    """Tick marks and ``1eN`` labels under a log10 axis spanning ``lo``..``hi`` decades."""
+    first, last = math.ceil(lo), math.floor(hi)
+    px_per_decade = plot_width / (hi - lo)
+    stride = _decade_stride(first, last, px_per_decade, right_margin=right_margin)
+    parts = []
+    for d in range(first, last + 1):
+        labelled = d % stride == 0  # multiples of the stride, so 1e0 (the bound) always gets a label
+        if not labelled and px_per_decade < _MIN_TICK_PX:
+            continue  # unlabelled decade ticks this close together would only draw a comb
+        x = left + (d - lo) / (hi - lo) * plot_width  # same arithmetic as the bars, so ticks line up
+        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 5}"/>')
+        if labelled:
+            tx = min(x, width - _label_px(f"1e{d}") / 2)  # a long label on the right edge stays inside
+            parts.append(
+                f'<text class="label" x="{tx:.1f}" y="{axis_y + 18}" text-anchor="middle">1e{d}</text>'
+            )
+    return parts
+
+
+def svg_histogram(
+    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
+) -> Markup:
+    """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
+    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    if not logs:
+        return Markup('<p class="empty">no finite positive rmse_ratio values in this run</p>')
+    lo = math.floor(min(min(logs), -1.0) / bin_width) * bin_width
+    hi = math.ceil(max(max(logs), 0.5) / bin_width) * bin_width
+    if hi - lo < bin_width:
+        hi = lo + bin_width
+    nbins = max(1, round((hi - lo) / bin_width))
+    counts = [0] * nbins
+    for x in logs:
+        counts[min(nbins - 1, int((x - lo) / bin_width))] += 1
+    top = max(counts)
+    ml, mr, mt, mb = 44, 12, 14, 40
+    pw, ph = width - ml - mr, height - mt - mb
+    bw = pw / nbins
+
+    def xpos(v: float) -> float:
+        return ml + (v - lo) / (hi - lo) * pw
+
+    parts = [
+        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="histogram of log10 rmse_ratio">'
+    ]
+    for i, c in enumerate(counts):
+        if not c:
+            continue
+        h = c / top * ph
+        left = lo + i * bin_width
+        cls = "bar drift" if left >= 0 else "bar ok"
+        parts.append(
+            f'<rect class="{cls}" x="{ml + i * bw + 1:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 2, 1):.1f}" '
+            f'height="{h:.1f}"><title>10^{left:g} .. 10^{left + bin_width:g}: {c}</title></rect>'
+        )
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
+    parts += _decade_ticks(lo, hi, left=ml, plot_width=pw, axis_y=mt + ph, width=width, right_margin=mr)
+    x0 = xpos(0.0)
+    parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
+    parts.append(_bound_label(x0, mt + 10, right_edge=width))
+    for frac in (0.5, 1.0):
+        y = mt + ph - frac * ph
+        parts.append(
+            f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{round(top * frac)}</text>'
+        )
+    parts.append(
+        f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
+        "rmse(fp64, target) / allowed bound (log scale)</text>"
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
 
 
 def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 1.0) -> Markup:
