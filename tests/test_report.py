@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
+import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
+from itertools import pairwise
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from harness.report.build import (
-    build_report,
-    main_report,
-    safe_name,
-    svg_bars,
-    svg_histogram,
-    write_synthetic_db,
-)
+from harness.cli import main as cli_main
+from harness.report.build import build_report
+from harness.report.svg import svg_bars, svg_histogram
+from harness.report.views import safe_name
 from harness.results.rows import CollectiveRow, ResultRow, RunInfo
 from harness.results.store import ResultStore
 
@@ -128,7 +125,7 @@ def test_safe_name() -> None:
         assert "/" not in n and ".." not in n.split("-")[0][:2]
 
 
-def test_pages_content(tmp_path: Path) -> None:
+def test_pages_content(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "s.db", tmp_path / "site"
     write_synthetic_db(db, 60, runs=2, seed=3)
     csv = tmp_path / "opinfo.csv"
@@ -156,7 +153,7 @@ def test_pages_content(tmp_path: Path) -> None:
         assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
 
 
-def test_single_run_no_collectives_no_diff(tmp_path: Path) -> None:
+def test_single_run_no_collectives_no_diff(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "one.db", tmp_path / "site"
     write_synthetic_db(db, 5, runs=1, collectives=False)
     build_report(db, out)
@@ -170,7 +167,7 @@ def test_single_run_no_collectives_no_diff(tmp_path: Path) -> None:
     assert "prev.db" in (out / "diff.html").read_text()
 
 
-def test_rebuild_removes_stale_model_pages(tmp_path: Path) -> None:
+def test_rebuild_removes_stale_model_pages(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "a.db", tmp_path / "site"
     write_synthetic_db(db, 8, runs=1, collectives=False)
     build_report(db, out)
@@ -188,7 +185,42 @@ def test_svg_helpers_edge_cases() -> None:
     assert "&lt;b&gt;" in svg_bars([{"label": "<b>", "value": 2.0, "lo": 1.5, "hi": 2.5}])
 
 
-def test_build_time_1000_rows(tmp_path: Path) -> None:
+def _tick_labels(svg: str) -> tuple[list[tuple[float, str]], ET.Element]:
+    root = ET.fromstring(str(svg))
+    texts = root.iter("{http://www.w3.org/2000/svg}text")
+    ticks = sorted((float(t.get("x")), t.text) for t in texts if re.fullmatch(r"1e-?\d+", t.text or ""))
+    return ticks, root
+
+
+@pytest.mark.parametrize(
+    "lo, hi, bins",
+    [(-6, 4, 0.25), (-6, 4, 0.05), (-300, 3, 0.25), (-1, 300, 0.25), (-30, 30, 0.1)],
+)
+def test_histogram_tick_labels_never_overlap(lo: int, hi: int, bins: float) -> None:
+    values = [10.0**lo, 10.0**hi] + [10 ** (lo + (hi - lo) * k / 97) for k in range(98)]
+    ticks, root = _tick_labels(svg_histogram(values, bin_width=bins))
+    assert 2 <= len(ticks) <= 10, ticks
+    assert "1e0" in {t for _, t in ticks}  # the bound always has its label
+    for (x1, t1), (x2, t2) in pairwise(ticks):
+        # 11px labels: at most ~6.5px a character, so centres this far apart leave a gap between them
+        assert x2 - x1 >= 6.5 * (len(t1) + len(t2)) / 2 + 4, (t1, x1, t2, x2)
+    width = float(root.get("width"))
+    assert all(x + 3.5 * len(t) <= width for x, t in ticks), ticks  # none clipped at the right edge
+    bound = next(t for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text == "bound (ratio 1)")
+    x = float(bound.get("x"))
+    if bound.get("text-anchor") == "end":
+        assert x - 7 * len(bound.text) >= 0
+    else:
+        assert x + 7 * len(bound.text) <= width
+
+
+def test_histogram_ticks_unchanged_for_narrow_range() -> None:
+    """Up to ten decades every one is labelled, as before the stride was introduced."""
+    ticks, _ = _tick_labels(svg_histogram([1e-5, 0.3, 2.0, 40.0]))
+    assert [t for _, t in ticks] == [f"1e{d}" for d in range(-5, 2)]
+
+
+def test_build_time_1000_rows(tmp_path: Path, write_synthetic_db) -> None:
     db, out = tmp_path / "big.db", tmp_path / "site"
     write_synthetic_db(db, 1000, runs=2)
     t0 = time.perf_counter()
@@ -199,40 +231,38 @@ def test_build_time_1000_rows(tmp_path: Path) -> None:
     assert elapsed < 30
 
 
-def _ns(**kw) -> argparse.Namespace:
-    base = dict(db=None, out=None, run=None, base=None, base_db=None, opinfo=None)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def _report(db: str, out: str, *extra: str) -> int:
+    return cli_main(["report", "--db", db, "--out", out, *extra])
 
 
-def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_report_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str], write_synthetic_db) -> None:
     db = tmp_path / "a.db"
     write_synthetic_db(db, 4, runs=1, collectives=False)
     out = tmp_path / "site"
-    assert main_report(_ns(db=str(db), out=str(out))) == 0
+    assert _report(str(db), str(out)) == 0
     assert "report written to" in capsys.readouterr().out
-    assert main_report(_ns(db=str(tmp_path / "missing.db"), out=str(out))) == 2
+    assert _report(str(tmp_path / "missing.db"), str(out)) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "missing.db").exists()
-    assert main_report(_ns(db=str(db), out=str(out), run="nope")) == 2
+    assert _report(str(db), str(out), "--run", "nope") == 2
     assert "unknown run id 'nope'" in capsys.readouterr().err
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert main_report(_ns(db=str(db), out=str(foreign))) == 2
+    assert _report(str(db), str(foreign)) == 2
     assert "not a portharness report" in capsys.readouterr().err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     empty = tmp_path / "empty.db"
     ResultStore(empty).close()
-    assert main_report(_ns(db=str(empty), out=str(tmp_path / "s2"))) == 2
+    assert _report(str(empty), str(tmp_path / "s2")) == 2
     assert "no runs" in capsys.readouterr().err
     corrupt = tmp_path / "corrupt.db"
     corrupt.write_bytes(b"\x00garbage" * 100)
-    assert main_report(_ns(db=str(corrupt), out=str(tmp_path / "s3"))) == 2
+    assert _report(str(corrupt), str(tmp_path / "s3")) == 2
     assert corrupt.read_bytes() == b"\x00garbage" * 100
 
 
-def test_collectives_run_separate_from_model_run(tmp_path: Path) -> None:
+def test_collectives_run_separate_from_model_run(tmp_path: Path, write_synthetic_db) -> None:
     """`portharness collectives --db` records its own run; the report still shows the model run."""
     db, out = tmp_path / "c.db", tmp_path / "site"
     write_synthetic_db(db, 6, runs=1, collectives=False)

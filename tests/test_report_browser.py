@@ -13,12 +13,13 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from harness.report.build import build_report, safe_name, write_synthetic_db
+from harness.report.build import build_report
+from harness.report.views import safe_name
 from harness.results.store import ResultStore
 
 pytestmark = pytest.mark.browser
@@ -82,10 +83,13 @@ def _real_run(out: Path) -> Path:
     return db
 
 
-def _synthetic(out: Path) -> Path:
-    db = out / "synthetic.db"
-    write_synthetic_db(db, 40, runs=2, seed=7)  # two runs (diff page), collectives, hostile strings
-    return db
+def _synthetic(write_synthetic_db: Callable[..., list[str]]) -> Callable[[Path], Path]:
+    def build(out: Path) -> Path:
+        db = out / "synthetic.db"
+        write_synthetic_db(db, 40, runs=2, seed=7)  # two runs (diff page), collectives, hostile strings
+        return db
+
+    return build
 
 
 def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
@@ -105,12 +109,12 @@ def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
 
 
 @pytest.fixture(scope="module")
-def real_run_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def real_run_db(tmp_path_factory: pytest.TempPathFactory, write_synthetic_db) -> Path:
     """The DB of a real small run (or synthetic rows when REAL_RUN is False); its site is next to it."""
     return _shared(
         tmp_path_factory,
         "real" if REAL_RUN else "synthetic",
-        _real_run if REAL_RUN else _synthetic,
+        _real_run if REAL_RUN else _synthetic(write_synthetic_db),
     )
 
 
@@ -120,9 +124,9 @@ def site(real_run_db: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def synthetic_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def synthetic_db(tmp_path_factory: pytest.TempPathFactory, write_synthetic_db) -> Path:
     """Synthetic rows with every page (diff, collectives) and hostile strings in error messages."""
-    return _shared(tmp_path_factory, "synthetic", _synthetic)
+    return _shared(tmp_path_factory, "synthetic", _synthetic(write_synthetic_db))
 
 
 @pytest.fixture(scope="module")

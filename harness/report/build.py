@@ -1,481 +1,122 @@
-"""Static HTML report built from the result store.
+"""Build the report site: read the run from the store, prepare the output dir, render each page.
 
-The site must open straight from disk (``file://``), offline, from a CI artifact: so no server,
-no CDN, no ``fetch`` (browsers block it on ``file://``). Table data is embedded as JSON in a
-``<script type="application/json">`` block, plots are inline SVG drawn here in Python, and the
-vanilla JS in ``reports/assets`` only filters and sorts.
-
-Everything that came from a model (ids, error messages, tracebacks) is untrusted text: Jinja2
-autoescaping is on for every template, embedded JSON goes through ``|tojson`` (which escapes
-``<``, ``>`` and ``&``) and the JS only ever assigns ``textContent``. Model ids contain ``/`` and
-other characters, so per-model pages get sanitised names plus a hash (:func:`safe_name`).
+The DB is read completely before anything is written, so a bad DB or run id never touches
+``out_dir``; and ``out_dir`` is only rebuilt when it is empty or holds a previous report.
+Every template is rendered with autoescaping on: model ids, error messages and tracebacks are
+untrusted text and must never become markup.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import html
-import math
 import os
-import random
-import re
 import shutil
-import sys
-import time
-from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import pandas as pd
-from markupsafe import Markup
 
 from harness import __version__
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
-from harness.analysis.matrix import op_coverage, outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import COLOURS, OUTCOMES, REFERENCE_SIDE
+from harness.analysis.matrix import op_coverage, outcome_counts, with_config
+from harness.outcomes import COLOURS, OUTCOMES
+from harness.report.views import (
+    collectives_view,
+    diff_view,
+    drift_view,
+    fmt,
+    history_view,
+    matrix_data,
+    records,
+    row_view,
+    run_view,
+    safe_name,
+    summary_view,
+)
 from harness.results.dbfile import StoreError
-from harness.results.rows import CollectiveRow, ResultRow, RunInfo, utc_now
+from harness.results.rows import utc_now
 from harness.results.store import ResultStore
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
+NAV = (
+    ("index.html", "Summary"),
+    ("matrix.html", "Matrix"),
+    ("ops.html", "Op coverage"),
+    ("drift.html", "Drift"),
+    ("collectives.html", "Collectives"),
+)
 
 
 # ----------------------------------------------------------------------------------------------
-# Small helpers
+# Input and output
 # ----------------------------------------------------------------------------------------------
 
 
-def safe_name(model_id: str) -> str:
-    """A portable file stem for ``model_id``: sanitised text plus a hash so 'a/b' and 'a_b' differ."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._-")[:80] or "model"
-    digest = hashlib.sha1(model_id.encode("utf-8")).hexdigest()[:8]
-    return f"{stem}-{digest}"
+@dataclass(frozen=True)
+class _RunData:
+    """What the pages need from the store, read in one go so the DB is closed before writing."""
+
+    run_id: str
+    df: pd.DataFrame  # the run's results, with a ``config`` column
+    runs: pd.DataFrame  # every run in the DB
+    run: dict[str, Any]  # the selected run's row of ``runs``
+    hist: pd.DataFrame  # every result in the DB, for the model pages' history
+    coll: pd.DataFrame  # collective benchmarks shown on the collectives page
+    coll_run: str | None  # the run they come from
+    base: tuple[str, pd.DataFrame, str] | None  # diff base: run id, its results, where from
 
 
-def _num(v: Any) -> float | None:
-    """A finite float or None (NaN/None); infinities kept (they sort last and print as inf)."""
-    if v is None:
+def _load(
+    db_path: str | os.PathLike, run_id: str | None, base_run: str | None, base_db: str | os.PathLike | None
+) -> _RunData:
+    """Read the run (default: the latest with results) and everything around it from the store."""
+    with ResultStore(db_path, create=False) as store:
+        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
+        if rid is None:
+            raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
+        df = with_config(store.results(rid))  # raises StoreError for an unknown run id
+        runs = store.runs()
+        # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
+        # else the latest benchmark run in the DB.
+        coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
+        return _RunData(
+            run_id=rid,
+            df=df,
+            runs=runs,
+            run=runs[runs.run_id == rid].iloc[0].to_dict(),
+            hist=store.history(),
+            coll=store.collectives(coll_run) if coll_run else store.collectives(rid),
+            coll_run=coll_run,
+            base=_resolve_base(store, rid, base_run, base_db),
+        )
+
+
+def _resolve_base(
+    store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None
+) -> tuple[str, pd.DataFrame, str] | None:
+    """(base run id, its results, where from), or None when there is nothing to compare with."""
+    if base_db is not None:
+        with ResultStore(base_db, create=False) as bs:
+            rid = base_run or bs.latest_run(has_results=True)
+            if rid is None:
+                raise StoreError(f"base DB {base_db} contains no runs")
+            return rid, bs.results(rid), str(base_db)
+    rid = base_run or previous_comparable(store, run_id)
+    if rid is None:
         return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return None if math.isnan(f) else f
-
-
-def _json_num(v: Any) -> float | str | None:
-    """Number for embedded JSON: JSON has no NaN/Infinity, so infinities become strings."""
-    f = _num(v)
-    if f is None or math.isfinite(f):
-        return f
-    return "Infinity" if f > 0 else "-Infinity"
-
-
-def fmt(v: Any, digits: int = 3) -> str:
-    """Compact number formatting for tables ('-' for missing)."""
-    f = _num(v)
-    if f is None:
-        return "" if v is None or isinstance(v, float) else str(v)
-    if math.isinf(f):
-        return "inf" if f > 0 else "-inf"
-    if f == 0:
-        return "0"
-    if abs(f) >= 1e4 or abs(f) < 1e-3:
-        return f"{f:.{digits - 1}e}"
-    return f"{f:.{digits}g}"
-
-
-def _text(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    return str(v)
-
-
-def _size(n: Any) -> str:
-    n = int(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-# ----------------------------------------------------------------------------------------------
-# Inline SVG (server-side; no JS plotting library, works offline)
-# ----------------------------------------------------------------------------------------------
-
-
-def svg_histogram(
-    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
-) -> Markup:
-    """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
-    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
-    if not logs:
-        return Markup('<p class="empty">no finite positive rmse_ratio values in this run</p>')
-    lo = math.floor(min(min(logs), -1.0) / bin_width) * bin_width
-    hi = math.ceil(max(max(logs), 0.5) / bin_width) * bin_width
-    if hi - lo < bin_width:
-        hi = lo + bin_width
-    nbins = max(1, round((hi - lo) / bin_width))
-    counts = [0] * nbins
-    for x in logs:
-        counts[min(nbins - 1, int((x - lo) / bin_width))] += 1
-    top = max(counts)
-    ml, mr, mt, mb = 44, 12, 14, 40
-    pw, ph = width - ml - mr, height - mt - mb
-    bw = pw / nbins
-
-    def xpos(v: float) -> float:
-        return ml + (v - lo) / (hi - lo) * pw
-
-    parts = [
-        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="histogram of log10 rmse_ratio">'
-    ]
-    for i, c in enumerate(counts):
-        if not c:
-            continue
-        h = c / top * ph
-        left = lo + i * bin_width
-        cls = "bar drift" if left >= 0 else "bar ok"
-        parts.append(
-            f'<rect class="{cls}" x="{ml + i * bw + 1:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 2, 1):.1f}" '
-            f'height="{h:.1f}"><title>10^{left:g} .. 10^{left + bin_width:g}: {c}</title></rect>'
-        )
-    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
-    parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
-    for d in range(math.ceil(lo), math.floor(hi) + 1):
-        x = xpos(d)
-        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 5}"/>')
-        parts.append(f'<text class="label" x="{x:.1f}" y="{mt + ph + 18}" text-anchor="middle">1e{d}</text>')
-    x0 = xpos(0.0)
-    parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
-    parts.append(f'<text class="label" x="{x0 + 4:.1f}" y="{mt + 10}">bound (ratio 1)</text>')
-    for frac in (0.5, 1.0):
-        y = mt + ph - frac * ph
-        parts.append(
-            f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{round(top * frac)}</text>'
-        )
-    parts.append(
-        f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
-        "rmse(fp64, target) / allowed bound (log scale)</text>"
-    )
-    parts.append("</svg>")
-    return Markup("".join(parts))
-
-
-def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 1.0) -> Markup:
-    """Horizontal bar chart: items with label, value, optional lo/hi whiskers; a line at ``ref``."""
-    items = [i for i in items if _num(i.get("value")) is not None and math.isfinite(_num(i["value"]) or 0)]
-    if not items:
-        return Markup('<p class="empty">no ratios to plot</p>')
-    row_h, ml, mr, mt, mb = 22, 240, 60, 8, 26
-    height = mt + mb + row_h * len(items)
-    vmax = (
-        max(max((_num(i.get("hi")) or 0) for i in items), max(_num(i["value"]) or 0 for i in items), ref)
-        * 1.08
-    )
-    pw = width - ml - mr
-
-    def xpos(v: float) -> float:
-        return ml + max(v, 0) / vmax * pw
-
-    parts = [
-        f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-        f'width="{width}" height="{height}" role="img" aria-label="ratio per setting">'
-    ]
-    for n, it in enumerate(items):
-        y = mt + n * row_h
-        v = float(it["value"])
-        label = html.escape(str(it["label"]))
-        cls = "bar slow" if v > ref else "bar fast"
-        parts.append(
-            f'<text class="label" x="{ml - 6}" y="{y + row_h * 0.65:.1f}" text-anchor="end">{label}</text>'
-            f'<rect class="{cls}" x="{ml}" y="{y + 3}" width="{xpos(v) - ml:.1f}" height="{row_h - 6}">'
-            f"<title>{label}: {v:.3g}</title></rect>"
-        )
-        lo_, hi_ = _num(it.get("lo")), _num(it.get("hi"))
-        right = max(v, hi_ if hi_ is not None and math.isfinite(hi_) else v)
-        parts.append(
-            f'<text class="label" x="{xpos(right) + 4:.1f}" y="{y + row_h * 0.65:.1f}">{v:.3g}</text>'
-        )
-        if lo_ is not None and hi_ is not None and math.isfinite(lo_) and math.isfinite(hi_):
-            yc = y + row_h / 2
-            parts.append(
-                f'<line class="whisker" x1="{xpos(lo_):.1f}" y1="{yc}" x2="{xpos(hi_):.1f}" y2="{yc}"/>'
-            )
-    xr = xpos(ref)
-    parts.append(f'<line class="bound" x1="{xr:.1f}" y1="{mt}" x2="{xr:.1f}" y2="{height - mb}"/>')
-    parts.append(
-        f'<text class="label" x="{xr:.1f}" y="{height - 8}" text-anchor="middle">{ref:g} (baseline)</text>'
-    )
-    parts.append("</svg>")
-    return Markup("".join(parts))
-
-
-def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 26) -> Markup:
-    """One stacked bar of outcome counts (SVG so no inline styles are needed)."""
-    total = sum(counts.values())
-    if not total:
-        return Markup("")
-    parts = [
-        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
-    ]
-    x = 0.0
-    for outcome in OUTCOMES[::-1]:
-        c = counts.get(outcome, 0)
-        if not c:
-            continue
-        w = c / total * width
-        parts.append(
-            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
-            f"<title>{outcome}: {c}</title></rect>"
-        )
-        x += w
-    parts.append("</svg>")
-    return Markup("".join(parts))
-
-
-# ----------------------------------------------------------------------------------------------
-# Data shaping
-# ----------------------------------------------------------------------------------------------
-
-
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    return df.to_dict("records") if not df.empty else []
-
-
-def _row_view(r: dict[str, Any]) -> dict[str, Any]:
-    """Everything one model page needs for one (target, settings) row, with numbers formatted."""
-    metrics = r.get("metrics") or {}
-    outputs = []
-    if isinstance(metrics, dict):
-        for name, m in metrics.items():
-            m = m if isinstance(m, dict) else {"value": m}
-            outputs.append(
-                {
-                    "name": name,
-                    "rmse_target": fmt(m.get("rmse_target")),
-                    "rmse_ref": fmt(m.get("rmse_ref")),
-                    "bound": fmt(m.get("bound")),
-                    "ratio": fmt(m.get("rmse_ratio")),
-                    "drifts": (_num(m.get("rmse_ratio")) or 0) > 1,
-                    "nonfinite": bool(m.get("nonfinite")),
-                    "note": _text(m.get("note")),
-                    "cosine": fmt(m.get("cosine"), 9),
-                    "max_abs": fmt(m.get("max_abs")),
-                    "max_rel": fmt(m.get("max_rel")),
-                    "ok": m.get("ok"),
-                    "shape": "x".join(str(s) for s in m["shape"])
-                    if isinstance(m.get("shape"), list)
-                    else _text(m.get("shape")),
-                    "dtype": _text(m.get("dtype")),
-                }
-            )
-    attempts = []
-    for a in r.get("attempts") or []:
-        if isinstance(a, dict):
-            attempts.append({k: (fmt(v) if isinstance(v, float) else _text(v)) for k, v in a.items()})
-    attempt_cols = sorted(
-        {k for a in attempts for k in a},
-        key=lambda k: (
-            ["device", "outcome", "error_type", "exit_code", "signal", "duration_s"].index(k)
-            if k in ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
-            else 99,
-            k,
-        ),
-    )
-    timings = [
-        (label, fmt(r.get(key)))
-        for label, key in (
-            ("load (s)", "load_time_s"),
-            ("reference (s)", "ref_time_s"),
-            ("target (s)", "target_time_s"),
-            ("wall (s)", "wall_time_s"),
-            ("peak RSS (MB)", "peak_rss_mb"),
-        )
-        if _num(r.get(key)) is not None
-    ]
-    return {
-        "config": r["config"],
-        "outcome": r["outcome"],
-        "fields": [
-            (k, _text(r.get(k)))
-            for k in (
-                "arch",
-                "task",
-                "modality",
-                "device",
-                "error_type",
-                "unsupported_op",
-                "exit_code",
-                "signal",
-            )
-            if _text(r.get(k)) not in ("", "nan")
-        ],
-        "drift_module": _text(r.get("first_drift_module")),
-        "drift_module_type": _text(r.get("first_drift_module_type")),
-        "numbers": [
-            (label, fmt(r.get(key), 9 if key == "min_cosine" else 3))
-            for label, key in (
-                ("rmse_ratio", "rmse_ratio"),
-                ("max_abs_err", "max_abs_err"),
-                ("max_rel_err", "max_rel_err"),
-                ("min_cosine", "min_cosine"),
-            )
-            if _num(r.get(key)) is not None
-        ],
-        "error_message": _text(r.get("error_message")),
-        "traceback": _text(r.get("traceback")),
-        "outputs": outputs,
-        "attempts": attempts,
-        "attempt_cols": attempt_cols,
-        "timings": timings,
-        "versions": [
-            (k, _text(r.get(k))) for k in ("torch_version", "transformers_version", "harness_version")
-        ],
-        "finished_at": _text(r.get("finished_at")),
-    }
-
-
-def _matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> dict[str, Any]:
-    """Compact JSON for the matrix page: one entry per model, one outcome per config column."""
-    grouped: dict[str, dict[str, dict[str, Any]]] = {}
-    for rec in _records(df):
-        grouped.setdefault(rec["model_id"], {})[rec["config"]] = rec
-    rows = []
-    for model in sorted(grouped):
-        by_cfg = grouped[model]
-        first = next(iter(by_cfg.values()))
-        ratios = [_num(r.get("rmse_ratio")) for r in by_cfg.values()]
-        ratios = [x for x in ratios if x is not None]
-        walls = [_num(r.get("wall_time_s")) for r in by_cfg.values()]
-        walls = [x for x in walls if x is not None]
-        ops = sorted({_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
-        errs = sorted({_text(r.get("error_type")) for r in by_cfg.values()} - {""})
-        rows.append(
-            {
-                "model": model,
-                "href": hrefs[model],
-                "arch": _text(first.get("arch")),
-                "task": _text(first.get("task")),
-                "modality": _text(first.get("modality")),
-                "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
-                "rmse_ratio": _json_num(max(ratios)) if ratios else None,
-                "op": ", ".join(ops),
-                "error": ", ".join(errs),
-                "wall": _json_num(max(walls)) if walls else None,
-            }
-        )
-    return {"configs": configs, "outcomes": list(OUTCOMES), "rows": rows}
-
-
-def _history(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    if hist.empty:
-        return out
-    hist = with_config(hist)
-    for r in hist.to_dict("records"):
-        out.setdefault(r["model_id"], []).append(
-            {
-                "run_id": r["run_id"],
-                "started_at": _text(r.get("run_started_at")),
-                "list_name": _text(r.get("list_name")),
-                "config": r["config"],
-                "outcome": r["outcome"],
-                "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "detail": _text(r.get("unsupported_op")) or _text(r.get("error_type")),
-            }
-        )
-    return out
-
-
-def _diff_view(res: DiffResult, hrefs: dict[str, str]) -> dict[str, Any]:
-    def rows(items: list) -> list[dict[str, Any]]:
-        return [
-            {
-                "model": c.model_id,
-                "href": hrefs.get(c.model_id),
-                "config": c.config,
-                "base": c.base_outcome or "-",
-                "head": c.head_outcome or "-",
-                "base_ratio": fmt(c.base_rmse_ratio),
-                "head_ratio": fmt(c.head_rmse_ratio),
-                "detail": c.detail,
-            }
-            for c in items
-        ]
-
-    worse = [c for c in res.outcome_changes if c.direction == "worse"]
-    other = [c for c in res.outcome_changes if c.direction != "worse"]
-    sections = [
-        ("New failures", "regression", res.new_failures),
-        ("Worse outcomes", "regression", worse),
-        (f"Drift grew more than {res.drift_factor:g}x", "regression", res.drift_grew),
-        ("Fixes", "fix", res.fixes),
-        ("Other outcome changes", "", other),
-        ("Drift grew among passing models (not gating)", "", res.drift_warnings),
-        ("Reference / load changes (not target regressions)", "", res.ref_changes),
-        ("Flaky", "", res.flaky),
-        ("Known-flaky allowlist (not counted)", "", res.allowlisted),
-        ("Added", "", res.added),
-        ("Removed", "", res.removed),
-    ]
-    return {
-        "base_run": res.base_run,
-        "head_run": res.head_run,
-        "n_regressions": len(res.regressions),
-        "unchanged": res.unchanged,
-        "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in sections],
-    }
-
-
-def _collectives_view(coll: pd.DataFrame) -> list[dict[str, Any]]:
-    groups = []
-    if coll.empty:
-        return groups
-    for (op, backend, world), g in coll.groupby(["op", "backend", "world_size"], sort=True):
-        g = g.sort_values(["size_bytes", "setting"])
-        items, table = [], []
-        for r in g.to_dict("records"):
-            label = f"{r['setting']} @ {_size(r['size_bytes'])}"
-            items.append(
-                {"label": label, "value": r.get("ratio"), "lo": r.get("ratio_p10"), "hi": r.get("ratio_p90")}
-            )
-            table.append(
-                {
-                    "setting": _text(r["setting"]),
-                    "baseline": _text(r.get("baseline_setting")),
-                    "size": _size(r["size_bytes"]),
-                    "size_bytes": int(r["size_bytes"]),
-                    "median_ms": fmt((_num(r.get("median_s")) or 0) * 1e3),
-                    "p10_ms": fmt((_num(r.get("p10_s")) or 0) * 1e3),
-                    "p90_ms": fmt((_num(r.get("p90_s")) or 0) * 1e3),
-                    "repeats": _text(r.get("repeats")),
-                    "ratio": fmt(r.get("ratio")),
-                    "ratio_range": f"{fmt(r.get('ratio_p10'))} - {fmt(r.get('ratio_p90'))}",
-                    "target": _text(r.get("target")),
-                }
-            )
-        groups.append(
-            {"op": op, "backend": backend, "world_size": int(world), "svg": svg_bars(items), "rows": table}
-        )
-    return groups
-
-
-# ----------------------------------------------------------------------------------------------
-# Build
-# ----------------------------------------------------------------------------------------------
+    return rid, store.results(rid), "this DB"
 
 
 def _env() -> jinja2.Environment:
+    """Jinja environment over the templates shipped in the package."""
     if not TEMPLATES_DIR.is_dir():
-        raise FileNotFoundError(f"report templates not found in {TEMPLATES_DIR} (a broken install: reinstall portharness)")
+        raise FileNotFoundError(
+            f"report templates not found in {TEMPLATES_DIR} (a broken install: reinstall portharness)"
+        )
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
         autoescape=True,  # every template: model-supplied text must never become markup
@@ -508,26 +149,96 @@ def _prepare_out(out: Path) -> None:
     assets = out / "assets"
     assets.mkdir(exist_ok=True)
     if not ASSETS_DIR.is_dir():
-        raise FileNotFoundError(f"report assets not found in {ASSETS_DIR} (a broken install: reinstall portharness)")
+        raise FileNotFoundError(
+            f"report assets not found in {ASSETS_DIR} (a broken install: reinstall portharness)"
+        )
     for f in ASSETS_DIR.iterdir():
         if f.is_file():
             shutil.copyfile(f, assets / f.name)
 
 
-def _resolve_base(
-    store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None
-) -> tuple[str, pd.DataFrame, str] | None:
-    """(base run id, its results, where from), or None when there is nothing to compare with."""
-    if base_db is not None:
-        with ResultStore(base_db, create=False) as bs:
-            rid = base_run or bs.latest_run(has_results=True)
-            if rid is None:
-                raise StoreError(f"base DB {base_db} contains no runs")
-            return rid, bs.results(rid), str(base_db)
-    rid = base_run or previous_comparable(store, run_id)
-    if rid is None:
-        return None
-    return rid, store.results(rid), "this DB"
+# ----------------------------------------------------------------------------------------------
+# Pages
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where and how pages are written; ``common`` is what every page's base template shows."""
+
+    env: jinja2.Environment
+    out: Path
+    common: dict[str, Any]
+
+    def render(
+        self, template: str, rel: str, *, root: str = "", active: str | None = None, **ctx: Any
+    ) -> None:
+        dest = self.out / rel
+        page = self.env.get_template(template).render(
+            **self.common, root=root, active=dest.name if active is None else active, **ctx
+        )
+        dest.write_text(page, encoding="utf-8")
+
+
+def _common(data: _RunData, db_path: str | os.PathLike, *, has_diff: bool) -> dict[str, Any]:
+    return {
+        **run_view(data.run),
+        "nav": list(NAV) + ([("diff.html", "Diff")] if has_diff else []),
+        "generated_at": utc_now(),
+        "harness_version": __version__,
+        "db_name": Path(db_path).name,
+    }
+
+
+def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResult | None) -> None:
+    site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res))
+
+
+def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
+    total = sum(outcome_counts(df).values())
+    empty = {"configs": [], "outcomes": list(OUTCOMES), "rows": []}
+    site.render(
+        "matrix.html", "matrix.html", data=matrix_data(df, configs, hrefs) if total else empty, total=total
+    )
+
+
+def _render_ops(
+    site: _Site, df: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str]
+) -> None:
+    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()  # reads the OpInfo CSV
+    site.render(
+        "ops.html",
+        "ops.html",
+        ops=records(cov),
+        has_opinfo=opinfo_csv is not None,
+        opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
+        hrefs=hrefs,
+    )
+
+
+def _render_collectives(site: _Site, data: _RunData) -> None:
+    # Name the benchmark run only when it is not the run the rest of the site shows.
+    other_run = data.coll_run if data.coll_run and data.coll_run != data.run_id else ""
+    site.render(
+        "collectives.html", "collectives.html", groups=collectives_view(data.coll), coll_run=other_run
+    )
+
+
+def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:
+    history = history_view(hist)
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for r in records(df):
+        by_model.setdefault(r["model_id"], []).append(r)
+    for model, rows in by_model.items():
+        site.render(
+            "model.html",
+            hrefs[model],
+            root="../",
+            active="",
+            model_id=model,
+            rows=[row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
+            history=history.get(model, []),
+        )
 
 
 def build_report(
@@ -546,334 +257,21 @@ def build_report(
     """
     out = Path(out_dir)
     env = _env()
-    with ResultStore(db_path, create=False) as store:
-        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
-        if rid is None:
-            raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
-        df = with_config(store.results(rid))  # raises StoreError for an unknown run id
-        runs = store.runs()
-        run = runs[runs.run_id == rid].iloc[0].to_dict()
-        hist = store.history()
-        # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
-        # else the latest benchmark run in the DB.
-        coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
-        coll = store.collectives(coll_run) if coll_run else store.collectives(rid)
-        base = _resolve_base(store, rid, base_run, base_db)
+    data = _load(db_path, run_id, base_run, base_db)
     _prepare_out(out)
-
+    df, base = data.df, data.base
+    res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
+    site = _Site(env, out, _common(data, db_path, has_diff=res is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
     models = sorted(df["model_id"].unique()) if not df.empty else []
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
-    counts = outcome_counts(df)
-    total = sum(counts.values())
-    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
-    res = None
-    if base is not None:
-        res = diff_runs(base[1], df, base_run=base[0], head_run=rid)
 
-    nav = [
-        ("index.html", "Summary"),
-        ("matrix.html", "Matrix"),
-        ("ops.html", "Op coverage"),
-        ("drift.html", "Drift"),
-        ("collectives.html", "Collectives"),
-    ]
-    if res is not None:
-        nav.append(("diff.html", "Diff"))
-    row_versions = {
-        k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else []
-        for k in ("torch_version", "transformers_version", "harness_version")
-    }
-    common = {
-        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
-        "run_settings": run.get("settings") or {},
-        "run_label": settings_label(run["target"], run.get("settings") or {}),
-        "nav": nav,
-        "generated_at": utc_now(),
-        "harness_version": __version__,
-        "db_name": Path(db_path).name,
-    }
-
-    def render(name: str, dest: Path, root: str = "", **ctx: Any) -> None:
-        dest.write_text(
-            env.get_template(name).render(**common, root=root, active=dest.name, **ctx), encoding="utf-8"
-        )
-
-    rates = {by: _records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")}
-    render(
-        "index.html",
-        out / "index.html",
-        counts=counts,
-        total=total,
-        n_models=len(models),
-        pass_rate=(counts["pass"] / total) if total else None,
-        target_pass_rate=(counts["pass"] / not_ref) if not_ref else None,
-        outcome_bar=svg_outcome_bar(counts),
-        row_versions=row_versions,
-        rates=rates,
-        runs=[{k: _text(v) for k, v in r.items() if k != "settings"} for r in _records(runs)],
-        configs=configs,
-        diff=None
-        if res is None
-        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
-    )
-    render(
-        "matrix.html",
-        out / "matrix.html",
-        data=_matrix_data(df, configs, hrefs)
-        if total
-        else {"configs": [], "outcomes": list(OUTCOMES), "rows": []},
-        total=total,
-    )
-
-    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()
-    render(
-        "ops.html",
-        out / "ops.html",
-        ops=_records(cov),
-        has_opinfo=opinfo_csv is not None,
-        opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
-        hrefs=hrefs,
-    )
-
-    ratios = [_num(v) for v in df["rmse_ratio"]] if not df.empty else []
-    finite = [v for v in ratios if v is not None]
-    worst = (
-        df.assign(_r=[_num(v) if _num(v) is not None else -1 for v in df["rmse_ratio"]])
-        .sort_values("_r", ascending=False)
-        .head(25)
-        if not df.empty
-        else df
-    )
-    render(
-        "drift.html",
-        out / "drift.html",
-        svg=svg_histogram(finite),
-        n_ratios=len(finite),
-        n_zero=sum(1 for v in finite if v == 0),
-        n_inf=sum(1 for v in finite if math.isinf(v)),
-        n_over=sum(1 for v in finite if v > 1),
-        worst=[
-            {
-                "model": r["model_id"],
-                "href": hrefs[r["model_id"]],
-                "config": r["config"],
-                "outcome": r["outcome"],
-                "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "module": _text(r.get("first_drift_module")),
-                "module_type": _text(r.get("first_drift_module_type")),
-            }
-            for r in _records(worst)
-            if _num(r.get("rmse_ratio")) is not None
-        ],
-    )
-    render(
-        "collectives.html",
-        out / "collectives.html",
-        groups=_collectives_view(coll),
-        coll_run=coll_run if coll_run and coll_run != rid else "",
-    )
-    if res is not None:
-        render("diff.html", out / "diff.html", diff=_diff_view(res, hrefs), base_from=base[2] if base else "")
-
-    history = _history(hist)
-    model_tpl = env.get_template("model.html")
-    by_model: dict[str, list[dict[str, Any]]] = {}
-    for r in _records(df):
-        by_model.setdefault(r["model_id"], []).append(r)
-    for model, rows in by_model.items():
-        (out / hrefs[model]).write_text(
-            model_tpl.render(
-                **common,
-                root="../",
-                active="",
-                model_id=model,
-                rows=[_row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
-                history=history.get(model, []),
-            ),
-            encoding="utf-8",
-        )
+    _render_index(site, data, configs, res)
+    _render_matrix(site, df, configs, hrefs)
+    _render_ops(site, df, opinfo_csv, hrefs)
+    site.render("drift.html", "drift.html", **drift_view(df, hrefs))
+    _render_collectives(site, data)
+    if res is not None and base is not None:
+        site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
+    _render_models(site, df, data.hist, hrefs)
     return out / "index.html"
-
-
-# ----------------------------------------------------------------------------------------------
-# Synthetic data (tests, benchmarks, demos)
-# ----------------------------------------------------------------------------------------------
-
-
-def write_synthetic_db(
-    path: str | os.PathLike, n_models: int = 1000, *, runs: int = 2, seed: int = 0, collectives: bool = True
-) -> list[str]:
-    """Fill a DB with plausible fake results (for report tests/benchmarks, not for conclusions).
-
-    Includes hostile strings (``<script>`` in messages, ``/`` and spaces in ids) on purpose.
-    """
-    rng = random.Random(seed)
-    archs = [
-        ("BertModel", "fill-mask", "text"),
-        ("ViTModel", "image-classification", "vision"),
-        ("GPT2LMHeadModel", "text-generation", "text"),
-        ("WhisperModel", "asr", "audio"),
-        ("CLIPModel", "zero-shot-image-classification", "multimodal"),
-    ]
-    ops = ["aten::_upsample_bicubic2d_aa", "aten::erfinv", "aten::_fft_r2c", "aten::linalg_eigh"]
-    weights = [0.55, 0.04, 0.15, 0.12, 0.05, 0.02, 0.01, 0.03, 0.01, 0.02]
-    outcomes = [
-        "pass",
-        "flaky",
-        "drift",
-        "unsupported_op",
-        "crash",
-        "timeout",
-        "oom",
-        "load_fail",
-        "ref_fail",
-        "ref_nondeterministic",
-    ]
-    settings = {"ops": "young", "precision": "default"}
-    ids = []
-    with ResultStore(path) as st:
-        for night in range(runs):
-            rid = st.begin_run(
-                RunInfo(
-                    "tiny-zoo",
-                    "sim",
-                    settings,
-                    run_id=f"night-{night:02d}",
-                    started_at=f"2026-01-{night + 1:02d}T02:00:00Z",
-                    argv="portharness run --list tiny-zoo",
-                )
-            )
-            ids.append(rid)
-            rows = []
-            for i in range(n_models):
-                arch, task, modality = archs[i % len(archs)]
-                outcome = rng.choices(outcomes, weights)[0]
-                ratio = 10 ** rng.gauss(-1.2, 0.6) if outcome in ("pass", "flaky") else None
-                if outcome == "drift":
-                    ratio = 10 ** rng.uniform(0.01, 2.5)
-                op = ""
-                if outcome == "unsupported_op":
-                    op = rng.choice(ops) if rng.random() < 0.8 else ", ".join(rng.sample(ops, 2))
-                err = "" if outcome in ("pass", "drift", "flaky") else f"{outcome.title()}Error"
-                rows.append(
-                    ResultRow(
-                        run_id=rid,
-                        model_id=f"org-{i % 37}/model {i:04d}" if i % 11 else f"org/<b>model-{i}</b>",
-                        target="sim",
-                        settings=settings,
-                        outcome=outcome,
-                        arch=arch,
-                        task=task,
-                        modality=modality,
-                        unsupported_op=op,
-                        error_type=err,
-                        error_message=f"<script>alert({i})</script> failed" if err else "",
-                        traceback='Traceback (most recent call last):\n  File "x.py"\n'
-                        + "<img src=x onerror=alert(1)>"
-                        if err
-                        else "",
-                        first_drift_module="encoder.layer.3.attention" if outcome == "drift" else "",
-                        first_drift_module_type="BertSelfAttention" if outcome == "drift" else "",
-                        max_abs_err=rng.random() * 1e-3,
-                        max_rel_err=rng.random() * 1e-2,
-                        min_cosine=1 - rng.random() * 1e-5,
-                        rmse_ratio=ratio,
-                        metrics={
-                            "last_hidden_state": {
-                                "rmse_target": 1e-4,
-                                "rmse_ref": 1e-5,
-                                "cosine": 0.99999,
-                                "max_abs": 1e-3,
-                                "max_rel": 1e-2,
-                                "ok": outcome != "drift",
-                                "shape": [1, 8, 32],
-                                "dtype": "float32",
-                            }
-                        },
-                        device=f"sim:{i % 2}",
-                        attempts=[
-                            {
-                                "device": f"sim:{i % 2}",
-                                "outcome": outcome,
-                                "error_type": err,
-                                "exit_code": 0,
-                                "signal": None,
-                                "duration_s": rng.random() * 5,
-                            }
-                        ],
-                        exit_code=0,
-                        load_time_s=rng.random(),
-                        ref_time_s=rng.random(),
-                        target_time_s=rng.random() * 2,
-                        wall_time_s=rng.random() * 5,
-                        peak_rss_mb=500 + rng.random() * 1000,
-                    )
-                )
-            for row in rows:
-                st.record(row)
-            if collectives:
-                for op in ("all_reduce", "all_gather"):
-                    for size in (1 << 10, 1 << 20):
-                        for setting in ("default", "bucket25mb", "compress-fp16"):
-                            base = 1.0 if setting == "default" else rng.uniform(0.6, 1.4)
-                            st.record_collective(
-                                CollectiveRow(
-                                    run_id=rid,
-                                    target="sim",
-                                    backend="gloo",
-                                    world_size=2,
-                                    op=op,
-                                    size_bytes=size,
-                                    setting=setting,
-                                    settings={"setting": setting},
-                                    baseline_setting="default",
-                                    median_s=1e-3 * base,
-                                    p10_s=0.9e-3 * base,
-                                    p90_s=1.2e-3 * base,
-                                    repeats=20,
-                                    ratio=base,
-                                    ratio_p10=base * 0.9,
-                                    ratio_p90=base * 1.1,
-                                )
-                            )
-            st.finish_run(rid)
-    return ids
-
-
-# ----------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------
-
-
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments for ``portharness report`` (for harness/cli.py to reuse)."""
-    parser.add_argument("--db", required=True, help="portharness SQLite DB")
-    parser.add_argument("--out", default="reports/site", help="output directory (default reports/site)")
-    parser.add_argument("--run", default=None, help="run id (default: latest run)")
-    parser.add_argument("--base", default=None, help="base run id in the same DB for the diff page")
-    parser.add_argument(
-        "--base-db", dest="base_db", default=None, help="DB whose latest run is the diff base"
-    )
-    parser.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (op,passed,skipped,failed)")
-
-
-def main_report(args: argparse.Namespace) -> int:
-    """CLI: build the site and print where it is; 0 on success, 2 on bad input."""
-    t0 = time.perf_counter()
-    try:
-        index = build_report(
-            args.db,
-            getattr(args, "out", None) or "reports/site",
-            run_id=getattr(args, "run", None),
-            base_run=getattr(args, "base", None),
-            base_db=getattr(args, "base_db", None),
-            opinfo_csv=getattr(args, "opinfo", None),
-        )
-    except (StoreError, FileNotFoundError, ValueError) as exc:
-        print(f"portharness report: error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"report written to {index} in {time.perf_counter() - t0:.2f}s (open it from disk: file://{index.resolve()})"
-    )
-    return 0

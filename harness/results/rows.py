@@ -139,7 +139,7 @@ def _base_type(hint: Any) -> type:
     return typing.get_origin(hint) or hint
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def column_types(cls: type) -> dict[str, type]:
     """Field name -> Python base type (bool/int/float/str/dict/list) for a row dataclass."""
     hints = typing.get_type_hints(cls)

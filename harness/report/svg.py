@@ -1,0 +1,221 @@
+"""Inline SVG charts for the report, drawn in Python.
+
+The site must work offline from ``file://``, so there is no JS plotting library: each chart is an
+SVG string put into the page as markup. Styling is by class (``style.css``), so the pages need no
+inline styles and the Content-Security-Policy can stay strict. Labels that may come from the data
+are escaped here, since the result is marked safe for Jinja.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from markupsafe import Markup
+
+from harness.outcomes import COLOURS, OUTCOMES
+
+
+def as_number(v: Any) -> float | None:
+    """``v`` as a float, or None for None, NaN and non-numbers; infinities are kept (they print as inf)."""
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+# Tick labels are 11px (style.css ``svg .label``); 7px per character over-estimates their width a little,
+# so labels spaced by the estimate never touch.
+_LABEL_PX_PER_CHAR = 7
+_LABEL_GAP_PX = 8
+_MAX_TICK_LABELS = 10
+_MIN_TICK_PX = 4  # closest spacing at which unlabelled decade ticks still read as ticks
+_BOUND_TEXT = "bound (ratio 1)"
+
+
+def _label_px(text: str) -> int:
+    return len(text) * _LABEL_PX_PER_CHAR
+
+
+def _decade_stride(first: int, last: int, px_per_decade: float, *, right_margin: float) -> int:
+    """Smallest 1-2-5 stride (in decades) whose labels neither overlap nor exceed the label budget.
+
+    Without it every decade gets a label, and a run with ratios from 1e-300 to 1e3 (a vanishing
+    output next to a broken one) prints hundreds of labels on top of each other. The spacing also
+    covers the shift of a last label pulled in from the right edge.
+    """
+    longest = max(_label_px(f"1e{d}") for d in (first, last))
+    widest = longest + _LABEL_GAP_PX + max(0.0, longest / 2 - right_margin)
+    mantissa, scale = 0, 1
+    while True:
+        stride = (1, 2, 5)[mantissa] * scale
+        n_labels = last // stride - -(-first // stride) + 1  # multiples of stride in [first, last]
+        if stride * px_per_decade >= widest and n_labels <= _MAX_TICK_LABELS:
+            return stride
+        mantissa = (mantissa + 1) % 3
+        scale *= 10 if mantissa == 0 else 1
+
+
+def _bound_label(x: float, y: float, *, right_edge: float) -> str:
+    """The 'bound (ratio 1)' caption right of the bound line, or left of it when it would be clipped.
+
+    The bound sits only half a decade from the right edge at minimum, which is a few pixels on a wide range.
+    """
+    if x + 4 + _label_px(_BOUND_TEXT) <= right_edge:
+        return f'<text class="label" x="{x + 4:.1f}" y="{y}">{_BOUND_TEXT}</text>'
+    return f'<text class="label" x="{x - 4:.1f}" y="{y}" text-anchor="end">{_BOUND_TEXT}</text>'
+
+
+def _decade_ticks(
+    lo: float, hi: float, *, left: float, plot_width: float, axis_y: float, width: int, right_margin: float
+) -> list[str]:
+    """Tick marks and ``1eN`` labels under a log10 axis spanning ``lo``..``hi`` decades."""
+    first, last = math.ceil(lo), math.floor(hi)
+    px_per_decade = plot_width / (hi - lo)
+    stride = _decade_stride(first, last, px_per_decade, right_margin=right_margin)
+    parts = []
+    for d in range(first, last + 1):
+        labelled = d % stride == 0  # multiples of the stride, so 1e0 (the bound) always gets a label
+        if not labelled and px_per_decade < _MIN_TICK_PX:
+            continue  # unlabelled decade ticks this close together would only draw a comb
+        x = left + (d - lo) / (hi - lo) * plot_width  # same arithmetic as the bars, so ticks line up
+        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 5}"/>')
+        if labelled:
+            tx = min(x, width - _label_px(f"1e{d}") / 2)  # a long label on the right edge stays inside
+            parts.append(
+                f'<text class="label" x="{tx:.1f}" y="{axis_y + 18}" text-anchor="middle">1e{d}</text>'
+            )
+    return parts
+
+
+def svg_histogram(
+    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
+) -> Markup:
+    """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
+    logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
+    if not logs:
+        return Markup('<p class="empty">no finite positive rmse_ratio values in this run</p>')
+    lo = math.floor(min(min(logs), -1.0) / bin_width) * bin_width
+    hi = math.ceil(max(max(logs), 0.5) / bin_width) * bin_width
+    if hi - lo < bin_width:
+        hi = lo + bin_width
+    nbins = max(1, round((hi - lo) / bin_width))
+    counts = [0] * nbins
+    for x in logs:
+        counts[min(nbins - 1, int((x - lo) / bin_width))] += 1
+    top = max(counts)
+    ml, mr, mt, mb = 44, 12, 14, 40
+    pw, ph = width - ml - mr, height - mt - mb
+    bw = pw / nbins
+
+    def xpos(v: float) -> float:
+        return ml + (v - lo) / (hi - lo) * pw
+
+    parts = [
+        f'<svg class="hist" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="histogram of log10 rmse_ratio">'
+    ]
+    for i, c in enumerate(counts):
+        if not c:
+            continue
+        h = c / top * ph
+        left = lo + i * bin_width
+        cls = "bar drift" if left >= 0 else "bar ok"
+        parts.append(
+            f'<rect class="{cls}" x="{ml + i * bw + 1:.1f}" y="{mt + ph - h:.1f}" width="{max(bw - 2, 1):.1f}" '
+            f'height="{h:.1f}"><title>10^{left:g} .. 10^{left + bin_width:g}: {c}</title></rect>'
+        )
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt}" x2="{ml}" y2="{mt + ph}"/>')
+    parts += _decade_ticks(lo, hi, left=ml, plot_width=pw, axis_y=mt + ph, width=width, right_margin=mr)
+    x0 = xpos(0.0)
+    parts.append(f'<line class="bound" x1="{x0:.1f}" y1="{mt}" x2="{x0:.1f}" y2="{mt + ph}"/>')
+    parts.append(_bound_label(x0, mt + 10, right_edge=width))
+    for frac in (0.5, 1.0):
+        y = mt + ph - frac * ph
+        parts.append(
+            f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{round(top * frac)}</text>'
+        )
+    parts.append(
+        f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
+        "rmse(fp64, target) / allowed bound (log scale)</text>"
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 1.0) -> Markup:
+    """Horizontal bar chart: items with label, value, optional lo/hi whiskers; a line at ``ref``."""
+    items = [i for i in items if as_number(i.get("value")) is not None and math.isfinite(as_number(i["value"]) or 0)]
+    if not items:
+        return Markup('<p class="empty">no ratios to plot</p>')
+    row_h, ml, mr, mt, mb = 22, 240, 60, 8, 26
+    height = mt + mb + row_h * len(items)
+    vmax = (
+        max(max((as_number(i.get("hi")) or 0) for i in items), max(as_number(i["value"]) or 0 for i in items), ref)
+        * 1.08
+    )
+    pw = width - ml - mr
+
+    def xpos(v: float) -> float:
+        return ml + max(v, 0) / vmax * pw
+
+    parts = [
+        f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="ratio per setting">'
+    ]
+    for n, it in enumerate(items):
+        y = mt + n * row_h
+        v = float(it["value"])
+        label = html.escape(str(it["label"]))
+        cls = "bar slow" if v > ref else "bar fast"
+        parts.append(
+            f'<text class="label" x="{ml - 6}" y="{y + row_h * 0.65:.1f}" text-anchor="end">{label}</text>'
+            f'<rect class="{cls}" x="{ml}" y="{y + 3}" width="{xpos(v) - ml:.1f}" height="{row_h - 6}">'
+            f"<title>{label}: {v:.3g}</title></rect>"
+        )
+        lo_, hi_ = as_number(it.get("lo")), as_number(it.get("hi"))
+        right = max(v, hi_ if hi_ is not None and math.isfinite(hi_) else v)
+        parts.append(
+            f'<text class="label" x="{xpos(right) + 4:.1f}" y="{y + row_h * 0.65:.1f}">{v:.3g}</text>'
+        )
+        if lo_ is not None and hi_ is not None and math.isfinite(lo_) and math.isfinite(hi_):
+            yc = y + row_h / 2
+            parts.append(
+                f'<line class="whisker" x1="{xpos(lo_):.1f}" y1="{yc}" x2="{xpos(hi_):.1f}" y2="{yc}"/>'
+            )
+    xr = xpos(ref)
+    parts.append(f'<line class="bound" x1="{xr:.1f}" y1="{mt}" x2="{xr:.1f}" y2="{height - mb}"/>')
+    parts.append(
+        f'<text class="label" x="{xr:.1f}" y="{height - 8}" text-anchor="middle">{ref:g} (baseline)</text>'
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 26) -> Markup:
+    """One stacked bar of outcome counts (SVG so no inline styles are needed)."""
+    total = sum(counts.values())
+    if not total:
+        return Markup("")
+    parts = [
+        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
+    ]
+    x = 0.0
+    for outcome in OUTCOMES[::-1]:
+        c = counts.get(outcome, 0)
+        if not c:
+            continue
+        w = c / total * width
+        parts.append(
+            f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
+            f"<title>{outcome}: {c}</title></rect>"
+        )
+        x += w
+    parts.append("</svg>")
+    return Markup("".join(parts))

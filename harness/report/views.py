@@ -1,0 +1,375 @@
+"""View models for the report pages: result-store dataframes and dicts in, template-ready dicts out.
+
+Pure functions, no file IO, so each page's data can be tested without rendering. Numbers are
+formatted here (templates stay logic-free) and everything model-supplied stays plain text: escaping
+is Jinja's job. Only the embedded matrix JSON keeps raw numbers, so the JS can sort on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Any
+
+import pandas as pd
+
+from harness.analysis.diff import DiffResult
+from harness.analysis.matrix import outcome_counts, pass_rates, settings_label, with_config
+from harness.outcomes import OUTCOMES, REFERENCE_SIDE
+
+# as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
+from harness.report.svg import as_number, svg_bars, svg_histogram, svg_outcome_bar
+
+# ----------------------------------------------------------------------------------------------
+# Formatting helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def safe_name(model_id: str) -> str:
+    """A portable file stem for ``model_id``: sanitised text plus a hash so 'a/b' and 'a_b' differ."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._-")[:80] or "model"
+    digest = hashlib.sha1(model_id.encode("utf-8")).hexdigest()[:8]
+    return f"{stem}-{digest}"
+
+
+def _json_num(v: Any) -> float | str | None:
+    """Number for embedded JSON: JSON has no NaN/Infinity, so infinities become strings."""
+    f = as_number(v)
+    if f is None or math.isfinite(f):
+        return f
+    return "Infinity" if f > 0 else "-Infinity"
+
+
+def fmt(v: Any, digits: int = 3) -> str:
+    """Compact number formatting for tables (empty for missing)."""
+    f = as_number(v)
+    if f is None:
+        return "" if v is None or isinstance(v, float) else str(v)
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    if f == 0:
+        return "0"
+    if abs(f) >= 1e4 or abs(f) < 1e-3:
+        return f"{f:.{digits - 1}e}"
+    return f"{f:.{digits}g}"
+
+
+def _text(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return str(v)
+
+
+def _size(n: Any) -> str:
+    n = int(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows of ``df`` as dicts ([] for an empty frame, which may lack the expected columns)."""
+    return df.to_dict("records") if not df.empty else []
+
+
+# ----------------------------------------------------------------------------------------------
+# Every page's header, summary and drift pages
+# ----------------------------------------------------------------------------------------------
+
+_VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
+
+
+def run_view(run: dict[str, Any]) -> dict[str, Any]:
+    """The selected run as every page's header shows it (settings apart: they are a dict)."""
+    settings = run.get("settings") or {}
+    return {
+        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
+        "run_settings": settings,
+        "run_label": settings_label(run["target"], settings),
+    }
+
+
+def summary_view(
+    df: pd.DataFrame, runs: pd.DataFrame, configs: list[str], res: DiffResult | None
+) -> dict[str, Any]:
+    """The index page: outcome counts and pass rates of ``df``, all runs in the DB, the diff headline."""
+    counts = outcome_counts(df)
+    total = sum(counts.values())
+    # Load/reference failures say nothing about the target, so the target pass rate leaves them out.
+    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
+    return {
+        "counts": counts,
+        "total": total,
+        "n_models": len(df["model_id"].unique()) if not df.empty else 0,
+        "pass_rate": (counts["pass"] / total) if total else None,
+        "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
+        "outcome_bar": svg_outcome_bar(counts),
+        "row_versions": {
+            k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in _VERSION_KEYS
+        },
+        "rates": {
+            by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")
+        },
+        "runs": [{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
+        "configs": configs,
+        "diff": None
+        if res is None
+        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
+    }
+
+
+def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) -> dict[str, Any]:
+    """The drift page: histogram of every rmse_ratio and the ``n_worst`` largest ones."""
+    ratios = [x for x in (as_number(v) for v in df["rmse_ratio"]) if x is not None] if not df.empty else []
+    worst = (
+        df.assign(_r=[as_number(v) if as_number(v) is not None else -1 for v in df["rmse_ratio"]])
+        .sort_values("_r", ascending=False)
+        .head(n_worst)
+        if not df.empty
+        else df
+    )
+    return {
+        "svg": svg_histogram(ratios),
+        "n_ratios": len(ratios),
+        "n_zero": sum(1 for v in ratios if v == 0),
+        "n_inf": sum(1 for v in ratios if math.isinf(v)),
+        "n_over": sum(1 for v in ratios if v > 1),
+        "worst": [
+            {
+                "model": r["model_id"],
+                "href": hrefs[r["model_id"]],
+                "config": r["config"],
+                "outcome": r["outcome"],
+                "rmse_ratio": fmt(r.get("rmse_ratio")),
+                "module": _text(r.get("first_drift_module")),
+                "module_type": _text(r.get("first_drift_module_type")),
+            }
+            for r in records(worst)
+            if as_number(r.get("rmse_ratio")) is not None
+        ],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Model page
+# ----------------------------------------------------------------------------------------------
+
+_ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
+_FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "exit_code", "signal")
+_NUMBERS = ("rmse_ratio", "max_abs_err", "max_rel_err", "min_cosine")
+_TIMINGS = (
+    ("load (s)", "load_time_s"),
+    ("reference (s)", "ref_time_s"),
+    ("target (s)", "target_time_s"),
+    ("wall (s)", "wall_time_s"),
+    ("peak RSS (MB)", "peak_rss_mb"),
+)
+
+
+def _output_view(name: str, m: Any) -> dict[str, Any]:
+    """One output's comparison metrics; a bare value (older rows) is shown as ``value``."""
+    m = m if isinstance(m, dict) else {"value": m}
+    shape = m.get("shape")
+    return {
+        "name": name,
+        "rmse_target": fmt(m.get("rmse_target")),
+        "rmse_ref": fmt(m.get("rmse_ref")),
+        "bound": fmt(m.get("bound")),
+        "ratio": fmt(m.get("rmse_ratio")),
+        "drifts": (as_number(m.get("rmse_ratio")) or 0) > 1,
+        "nonfinite": bool(m.get("nonfinite")),
+        "note": _text(m.get("note")),
+        "cosine": fmt(m.get("cosine"), 9),
+        "max_abs": fmt(m.get("max_abs")),
+        "max_rel": fmt(m.get("max_rel")),
+        "ok": m.get("ok"),
+        "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else _text(shape),
+        "dtype": _text(m.get("dtype")),
+    }
+
+
+def _attempts_view(attempts: Any) -> tuple[list[dict[str, str]], list[str]]:
+    """Attempt rows as text and their columns: the usual ones first, anything else after, by name."""
+    rows = [
+        {k: (fmt(v) if isinstance(v, float) else _text(v)) for k, v in a.items()}
+        for a in attempts or []
+        if isinstance(a, dict)
+    ]
+    cols = sorted(
+        {k for a in rows for k in a},
+        key=lambda k: (_ATTEMPT_ORDER.index(k) if k in _ATTEMPT_ORDER else 99, k),
+    )
+    return rows, cols
+
+
+def row_view(r: dict[str, Any]) -> dict[str, Any]:
+    """Everything one model page needs for one (target, settings) row, with numbers formatted."""
+    metrics = r.get("metrics") or {}
+    outputs = [_output_view(name, m) for name, m in metrics.items()] if isinstance(metrics, dict) else []
+    attempts, attempt_cols = _attempts_view(r.get("attempts"))
+    return {
+        "config": r["config"],
+        "outcome": r["outcome"],
+        "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")],
+        "drift_module": _text(r.get("first_drift_module")),
+        "drift_module_type": _text(r.get("first_drift_module_type")),
+        "numbers": [
+            (key, fmt(r.get(key), 9 if key == "min_cosine" else 3))
+            for key in _NUMBERS
+            if as_number(r.get(key)) is not None
+        ],
+        "error_message": _text(r.get("error_message")),
+        "traceback": _text(r.get("traceback")),
+        "outputs": outputs,
+        "attempts": attempts,
+        "attempt_cols": attempt_cols,
+        "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if as_number(r.get(key)) is not None],
+        "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],
+        "finished_at": _text(r.get("finished_at")),
+    }
+
+
+def history_view(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
+    """Per model, its rows across every run in the DB (for the model pages' history table)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    if hist.empty:
+        return out
+    hist = with_config(hist)
+    for r in hist.to_dict("records"):
+        out.setdefault(r["model_id"], []).append(
+            {
+                "run_id": r["run_id"],
+                "started_at": _text(r.get("run_started_at")),
+                "list_name": _text(r.get("list_name")),
+                "config": r["config"],
+                "outcome": r["outcome"],
+                "rmse_ratio": fmt(r.get("rmse_ratio")),
+                "detail": _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Matrix, diff and collectives pages
+# ----------------------------------------------------------------------------------------------
+
+
+def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> dict[str, Any]:
+    """Compact JSON for the matrix page: one entry per model, one outcome per config column."""
+    grouped: dict[str, dict[str, dict[str, Any]]] = {}
+    for rec in records(df):
+        grouped.setdefault(rec["model_id"], {})[rec["config"]] = rec
+    rows = []
+    for model in sorted(grouped):
+        by_cfg = grouped[model]
+        first = next(iter(by_cfg.values()))
+        ratios = [x for x in (as_number(r.get("rmse_ratio")) for r in by_cfg.values()) if x is not None]
+        walls = [x for x in (as_number(r.get("wall_time_s")) for r in by_cfg.values()) if x is not None]
+        ops = sorted({_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
+        errs = sorted({_text(r.get("error_type")) for r in by_cfg.values()} - {""})
+        rows.append(
+            {
+                "model": model,
+                "href": hrefs[model],
+                "arch": _text(first.get("arch")),
+                "task": _text(first.get("task")),
+                "modality": _text(first.get("modality")),
+                "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
+                "rmse_ratio": _json_num(max(ratios)) if ratios else None,
+                "op": ", ".join(ops),
+                "error": ", ".join(errs),
+                "wall": _json_num(max(walls)) if walls else None,
+            }
+        )
+    return {"configs": configs, "outcomes": list(OUTCOMES), "rows": rows}
+
+
+def diff_view(res: DiffResult, hrefs: dict[str, str]) -> dict[str, Any]:
+    """The diff page: one section per kind of change, regressions first."""
+
+    def rows(items: list) -> list[dict[str, Any]]:
+        return [
+            {
+                "model": c.model_id,
+                "href": hrefs.get(c.model_id),
+                "config": c.config,
+                "base": c.base_outcome or "-",
+                "head": c.head_outcome or "-",
+                "base_ratio": fmt(c.base_rmse_ratio),
+                "head_ratio": fmt(c.head_rmse_ratio),
+                "detail": c.detail,
+            }
+            for c in items
+        ]
+
+    worse = [c for c in res.outcome_changes if c.direction == "worse"]
+    other = [c for c in res.outcome_changes if c.direction != "worse"]
+    sections = [
+        ("New failures", "regression", res.new_failures),
+        ("Worse outcomes", "regression", worse),
+        (f"Drift grew more than {res.drift_factor:g}x", "regression", res.drift_grew),
+        ("Fixes", "fix", res.fixes),
+        ("Other outcome changes", "", other),
+        ("Drift grew among passing models (not gating)", "", res.drift_warnings),
+        ("Reference / load changes (not target regressions)", "", res.ref_changes),
+        ("Flaky", "", res.flaky),
+        ("Known-flaky allowlist (not counted)", "", res.allowlisted),
+        ("Added", "", res.added),
+        ("Removed", "", res.removed),
+    ]
+    return {
+        "base_run": res.base_run,
+        "head_run": res.head_run,
+        "n_regressions": len(res.regressions),
+        "unchanged": res.unchanged,
+        "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in sections],
+    }
+
+
+def _collective_row(r: dict[str, Any]) -> dict[str, Any]:
+    ms = {k: fmt((as_number(r.get(f"{k}_s")) or 0) * 1e3) for k in ("median", "p10", "p90")}
+    return {
+        "setting": _text(r["setting"]),
+        "baseline": _text(r.get("baseline_setting")),
+        "size": _size(r["size_bytes"]),
+        "size_bytes": int(r["size_bytes"]),
+        "median_ms": ms["median"],
+        "p10_ms": ms["p10"],
+        "p90_ms": ms["p90"],
+        "repeats": _text(r.get("repeats")),
+        "ratio": fmt(r.get("ratio")),
+        "ratio_range": f"{fmt(r.get('ratio_p10'))} - {fmt(r.get('ratio_p90'))}",
+        "target": _text(r.get("target")),
+    }
+
+
+def collectives_view(coll: pd.DataFrame) -> list[dict[str, Any]]:
+    """One group per (op, backend, world size): a ratio bar chart and its table."""
+    groups: list[dict[str, Any]] = []
+    if coll.empty:
+        return groups
+    for (op, backend, world), g in coll.groupby(["op", "backend", "world_size"], sort=True):
+        rows = g.sort_values(["size_bytes", "setting"]).to_dict("records")
+        bars = [
+            {
+                "label": f"{r['setting']} @ {_size(r['size_bytes'])}",
+                "value": r.get("ratio"),
+                "lo": r.get("ratio_p10"),
+                "hi": r.get("ratio_p90"),
+            }
+            for r in rows
+        ]
+        groups.append(
+            {
+                "op": op,
+                "backend": backend,
+                "world_size": int(world),
+                "svg": svg_bars(bars),
+                "rows": [_collective_row(r) for r in rows],
+            }
+        )
+    return groups

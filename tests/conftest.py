@@ -1,0 +1,180 @@
+"""Shared test helpers: a synthetic result DB for the report tests (and benchmarks/demos).
+
+``write_synthetic_db`` is a plain function so scripts can import it too (put ``tests/`` on
+``sys.path``); tests get it through the ``write_synthetic_db`` fixture rather than importing conftest.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+
+import pytest
+
+from harness.outcomes import OUTCOMES
+from harness.results.rows import CollectiveRow, ResultRow, RunInfo
+from harness.results.store import ResultStore
+
+# Share of each outcome in the synthetic runs, roughly what a real zoo night looks like. The dict order
+# is the draw order: changing it changes every seeded DB.
+_OUTCOME_WEIGHTS: dict[str, float] = {
+    "pass": 0.55,
+    "flaky": 0.04,
+    "drift": 0.15,
+    "unsupported_op": 0.12,
+    "crash": 0.05,
+    "timeout": 0.02,
+    "oom": 0.01,
+    "load_fail": 0.03,
+    "ref_fail": 0.01,
+    "ref_nondeterministic": 0.02,
+}
+# A new outcome in harness/outcomes.py must get a weight here, or the report tests never see it.
+assert set(_OUTCOME_WEIGHTS) == set(OUTCOMES), set(OUTCOMES) ^ set(_OUTCOME_WEIGHTS)
+
+
+_ARCHS = [
+    ("BertModel", "fill-mask", "text"),
+    ("ViTModel", "image-classification", "vision"),
+    ("GPT2LMHeadModel", "text-generation", "text"),
+    ("WhisperModel", "asr", "audio"),
+    ("CLIPModel", "zero-shot-image-classification", "multimodal"),
+]
+_OPS = ["aten::_upsample_bicubic2d_aa", "aten::erfinv", "aten::_fft_r2c", "aten::linalg_eigh"]
+_SETTINGS = {"ops": "young", "precision": "default"}
+
+
+def _fake_row(rng: random.Random, rid: str, i: int) -> ResultRow:
+    """Model ``i`` of run ``rid``. Hostile on purpose: ``<script>`` in messages, ``/``, ``<b>`` in ids.
+
+    Keep the order of the ``rng`` calls: every seeded DB (and the tests' expected numbers) depends on it.
+    """
+    arch, task, modality = _ARCHS[i % len(_ARCHS)]
+    outcome = rng.choices(list(_OUTCOME_WEIGHTS), list(_OUTCOME_WEIGHTS.values()))[0]
+    ratio = 10 ** rng.gauss(-1.2, 0.6) if outcome in ("pass", "flaky") else None
+    if outcome == "drift":
+        ratio = 10 ** rng.uniform(0.01, 2.5)
+    op = ""
+    if outcome == "unsupported_op":
+        op = rng.choice(_OPS) if rng.random() < 0.8 else ", ".join(rng.sample(_OPS, 2))
+    err = "" if outcome in ("pass", "drift", "flaky") else f"{outcome.title()}Error"
+    return ResultRow(
+        run_id=rid,
+        model_id=f"org-{i % 37}/model {i:04d}" if i % 11 else f"org/<b>model-{i}</b>",
+        target="sim",
+        settings=_SETTINGS,
+        outcome=outcome,
+        arch=arch,
+        task=task,
+        modality=modality,
+        unsupported_op=op,
+        error_type=err,
+        error_message=f"<script>alert({i})</script> failed" if err else "",
+        traceback='Traceback (most recent call last):\n  File "x.py"\n' + "<img src=x onerror=alert(1)>"
+        if err
+        else "",
+        first_drift_module="encoder.layer.3.attention" if outcome == "drift" else "",
+        first_drift_module_type="BertSelfAttention" if outcome == "drift" else "",
+        max_abs_err=rng.random() * 1e-3,
+        max_rel_err=rng.random() * 1e-2,
+        min_cosine=1 - rng.random() * 1e-5,
+        rmse_ratio=ratio,
+        metrics={
+            "last_hidden_state": {
+                "rmse_target": 1e-4,
+                "rmse_ref": 1e-5,
+                "cosine": 0.99999,
+                "max_abs": 1e-3,
+                "max_rel": 1e-2,
+                "ok": outcome != "drift",
+                "shape": [1, 8, 32],
+                "dtype": "float32",
+            }
+        },
+        device=f"sim:{i % 2}",
+        attempts=[
+            {
+                "device": f"sim:{i % 2}",
+                "outcome": outcome,
+                "error_type": err,
+                "exit_code": 0,
+                "signal": None,
+                "duration_s": rng.random() * 5,
+            }
+        ],
+        exit_code=0,
+        load_time_s=rng.random(),
+        ref_time_s=rng.random(),
+        target_time_s=rng.random() * 2,
+        wall_time_s=rng.random() * 5,
+        peak_rss_mb=500 + rng.random() * 1000,
+    )
+
+
+def _fake_collectives(rng: random.Random, rid: str) -> list[CollectiveRow]:
+    """Two ops x two sizes x three settings, each compared with the "default" setting."""
+    rows = []
+    for op in ("all_reduce", "all_gather"):
+        for size in (1 << 10, 1 << 20):
+            for setting in ("default", "bucket25mb", "compress-fp16"):
+                base = 1.0 if setting == "default" else rng.uniform(0.6, 1.4)
+                rows.append(
+                    CollectiveRow(
+                        run_id=rid,
+                        target="sim",
+                        backend="gloo",
+                        world_size=2,
+                        op=op,
+                        size_bytes=size,
+                        setting=setting,
+                        settings={"setting": setting},
+                        baseline_setting="default",
+                        median_s=1e-3 * base,
+                        p10_s=0.9e-3 * base,
+                        p90_s=1.2e-3 * base,
+                        repeats=20,
+                        ratio=base,
+                        ratio_p10=base * 0.9,
+                        ratio_p90=base * 1.1,
+                    )
+                )
+    return rows
+
+
+def write_synthetic_db(
+    path: str | os.PathLike, n_models: int = 1000, *, runs: int = 2, seed: int = 0, collectives: bool = True
+) -> list[str]:
+    """Fill a DB with plausible fake results (for report tests/benchmarks, not for conclusions).
+
+    ``runs`` nights (``night-00``, ...) of ``n_models`` models each, optionally with collective
+    benchmarks; includes hostile strings on purpose. Returns the run ids.
+    """
+    rng = random.Random(seed)
+    ids = []
+    with ResultStore(path) as st:
+        for night in range(runs):
+            rid = st.begin_run(
+                RunInfo(
+                    "tiny-zoo",
+                    "sim",
+                    _SETTINGS,
+                    run_id=f"night-{night:02d}",
+                    started_at=f"2026-01-{night + 1:02d}T02:00:00Z",
+                    argv="portharness run --list tiny-zoo",
+                )
+            )
+            ids.append(rid)
+            for i in range(n_models):
+                st.record(_fake_row(rng, rid, i))
+            if collectives:
+                for row in _fake_collectives(rng, rid):
+                    st.record_collective(row)
+            st.finish_run(rid)
+    return ids
+
+
+@pytest.fixture(name="write_synthetic_db", scope="session")
+def _write_synthetic_db_fixture() -> Callable[..., list[str]]:
+    """:func:`write_synthetic_db` itself, so test modules need not import conftest."""
+    return write_synthetic_db
