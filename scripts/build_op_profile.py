@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 import harness.sim as sim
-from harness.models.inputs import make_inputs, output_tensors
+from harness.models.inputs import make_inputs
+from harness.models.outputs import output_tensors
 from harness.models.tiny import build_tiny
 from harness.sim import opset
 from harness.sim import tensor as sim_tensor

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 import harness.sim
 import harness.sim.distributed as sd
 from harness.bench import collectives as hc
+from harness.bench import ranks
 from harness.cli import main as cli_main
 from harness.results.store import ResultStore
 
@@ -137,7 +138,7 @@ def _ddp(rank: int, spec: str, ref) -> None:
     sim_model = GPT2LMHeadModel(cfg)
     if rank == 0:
         sim_model.load_state_dict(cpu_model.state_dict())
-    dev = hc.ddp_device("sim", rank)
+    dev = ranks.ddp_device("sim", rank)
     sim_model.to(dev).tie_weights()  # .to("sim") unties lm_head from wte (see harness.bench.collectives)
     cpu_ddp = DDP(cpu_model, process_group=ref, bucket_cap_mb=s.bucket_mb)
     sim_ddp = DDP(sim_model, bucket_cap_mb=s.bucket_mb)

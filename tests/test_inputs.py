@@ -6,8 +6,10 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from harness.models.inputs import default_recipe, make_inputs, needs_exact, output_tensors, vocab_size
+from harness.models.configs import vocab_size
+from harness.models.inputs import default_recipe, make_inputs
 from harness.models.model_list import ModelEntry
+from harness.models.outputs import needs_exact, output_tensors
 from harness.models.tiny import build_tiny
 
 _CACHE: dict[tuple[str, str], torch.nn.Module] = {}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from harness.models import heads, shrink, tiny
-from harness.models.inputs import find_attr
+from harness.models.configs import find_attr
 from harness.models.model_list import load_model_list
 from harness.run import zoo
 

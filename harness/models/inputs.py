@@ -1,4 +1,4 @@
-"""Deterministic example inputs for any transformers model, and flattening of its outputs.
+"""Deterministic example inputs for any transformers model.
 
 The comparison stage runs the same inputs on CPU and on the target backend, so inputs must be
 reproducible from ``seed`` alone (a local ``torch.Generator``; the global RNG is never touched)
@@ -14,10 +14,11 @@ entry may pin it (``{"recipe": "audio-3d"}``) together with sizes (``seq_len``, 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from harness.models.configs import as_hw, find_attr, special_ids, text_config, vocab_size
 
 RECIPES = (
     "text",
@@ -41,95 +42,6 @@ DEFAULTS: dict[str, Any] = {
     "audio_len": 19200,
     "feature_frames": 64,
 }
-
-_SUBCONFIG_ORDER = ("vision_config", "text_config", "audio_config", "encoder", "decoder", "backbone_config")
-
-
-# ----------------------------------------------------------------------------------------------
-# config lookup
-# ----------------------------------------------------------------------------------------------
-
-
-def _subconfigs(config: Any) -> list[Any]:
-    from transformers import PretrainedConfig
-
-    subs = []
-    names = list(_SUBCONFIG_ORDER) + sorted(getattr(config, "sub_configs", {}) or {})
-    for name in dict.fromkeys(names):
-        sub = getattr(config, name, None)
-        if isinstance(sub, PretrainedConfig):
-            subs.append(sub)
-    return subs
-
-
-def _walk(config: Any, prefer: str | None = None) -> Iterator[Any]:
-    """The config, then its sub-configs breadth-first (``prefer`` first, e.g. ``vision_config``)."""
-    queue = [config]
-    seen: set[int] = set()
-    while queue:
-        cfg = queue.pop(0)
-        if id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        yield cfg
-        subs = _subconfigs(cfg)
-        if prefer:
-            subs.sort(key=lambda s: 0 if getattr(cfg, prefer, None) is s else 1)
-        queue.extend(subs)
-
-
-def find_attr(config: Any, *names: str, prefer: str | None = None, default: Any = None) -> Any:
-    """First non-None attribute among ``names`` in ``config`` or its nested sub-configs."""
-    order = list(_walk(config, prefer))
-    if prefer:
-        pref = getattr(config, prefer, None)
-        if pref is not None:
-            order = list(_walk(pref)) + order
-    for cfg in order:
-        for name in names:
-            value = getattr(cfg, name, None)
-            if value is not None:
-                return value
-    return default
-
-
-def _special_ids(config: Any) -> set[int]:
-    ids: set[int] = set()
-    for cfg in _walk(config):
-        for key, value in vars(cfg).items():
-            if not isinstance(key, str) or not key.endswith(("token_id", "token_index", "token_ids")):
-                continue
-            for v in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(v, int) and not isinstance(v, bool):
-                    ids.add(v)
-    return ids
-
-
-def _text_config(config: Any) -> Any:
-    try:
-        return config.get_text_config(decoder=True)
-    except (AttributeError, TypeError, ValueError):
-        return config
-
-
-def vocab_size(config: Any) -> int:
-    """The text vocab size tokens must stay below."""
-    text = _text_config(config)
-    v = getattr(text, "vocab_size", None) or find_attr(config, "vocab_size", prefer="text_config")
-    return int(v) if v else 1024
-
-
-def _as_hw(value: Any, fallback: int) -> tuple[int, int]:
-    if isinstance(value, (list, tuple)) and len(value) >= 2:
-        return int(value[0]), int(value[1])
-    if isinstance(value, int):
-        return value, value
-    return fallback, fallback
-
-
-# ----------------------------------------------------------------------------------------------
-# options
-# ----------------------------------------------------------------------------------------------
 
 
 def _entry_inputs(entry: Any) -> dict[str, Any]:
@@ -235,7 +147,7 @@ class _Ctx:
 def _token_ids(ctx: _Ctx, *shape: int, config: Any = None) -> torch.Tensor:
     config = config if config is not None else ctx.config
     vocab = int(ctx.opts.get("vocab_size", vocab_size(config)))
-    specials = _special_ids(config)
+    specials = special_ids(config)
     allowed = [i for i in range(min(vocab, 4), vocab) if i not in specials] or list(range(vocab))
     table = torch.tensor(allowed, dtype=torch.long)
     return table[ctx.randint(0, len(allowed), *shape)]
@@ -243,7 +155,7 @@ def _token_ids(ctx: _Ctx, *shape: int, config: Any = None) -> torch.Tensor:
 
 def _text(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
     cfg = ctx.config
-    text_cfg = _text_config(cfg)
+    text_cfg = text_config(cfg)
     seq = int(ctx.opts["seq_len"])
     shape: tuple[int, ...] = (ctx.batch, seq)
     if ctx.task == "multiple-choice":
@@ -290,7 +202,7 @@ _NO_DECODER_INPUTS = ("seq-cls", "qa", "token-cls", "multiple-choice")
 def _decoder_ids(ctx: _Ctx) -> torch.Tensor:
     cfg = ctx.config
     dec_len = int(ctx.opts["decoder_seq_len"])
-    dec_cfg = getattr(cfg, "decoder", None) or _text_config(cfg)
+    dec_cfg = getattr(cfg, "decoder", None) or text_config(cfg)
     ids = _token_ids(ctx, ctx.batch, dec_len, config=dec_cfg if hasattr(dec_cfg, "vocab_size") else cfg)
     start = find_attr(cfg, "decoder_start_token_id", "bos_token_id", "pad_token_id")
     if isinstance(start, (list, tuple)):
@@ -315,7 +227,7 @@ def _image(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
     size = ctx.opts.get("image_size") or find_attr(
         cfg, "image_size", "img_size", "input_size", prefer="vision_config", default=64
     )
-    h, w = _as_hw(size, 64)
+    h, w = as_hw(size, 64)
     if h < 8 or w < 8:
         h, w = 64, 64
     channels = int(
@@ -327,10 +239,10 @@ def _image(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
     out["pixel_values"] = ctx.randn(ctx.batch, channels, h, w)
     if ctx.accepts("noise") and find_attr(cfg, "mask_ratio") is not None:
         # MAE-style random masking: pass the noise so the forward is deterministic
-        patch = _as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
+        patch = as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
         out["noise"] = torch.rand(ctx.batch, (h // patch[0]) * (w // patch[1]), generator=ctx.gen)
     if _required(ctx.params, "bool_masked_pos"):
-        patch = _as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
+        patch = as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
         n = (h // patch[0]) * (w // patch[1])
         out["bool_masked_pos"] = _half_mask(ctx, n)
 
@@ -419,7 +331,7 @@ def _video(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
         ctx.opts.get("num_frames") or find_attr(cfg, "num_frames", prefer="vision_config", default=8)
     )
     size = ctx.opts.get("image_size") or find_attr(cfg, "image_size", prefer="vision_config", default=64)
-    h, w = _as_hw(size, 64)
+    h, w = as_hw(size, 64)
     channels = int(find_attr(cfg, "num_channels", prefer="vision_config", default=3))
     name = (
         "pixel_values_videos"
@@ -428,7 +340,7 @@ def _video(ctx: _Ctx, out: dict[str, torch.Tensor]) -> None:
     )
     out[name] = ctx.randn(ctx.batch, frames, channels, h, w)
     if ctx.accepts("bool_masked_pos") and ctx.task == "pretraining":
-        patch = _as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
+        patch = as_hw(find_attr(cfg, "patch_size", prefer="vision_config", default=16), 16)
         tubelet = int(find_attr(cfg, "tubelet_size", default=1))
         n = (frames // tubelet) * (h // patch[0]) * (w // patch[1])
         out["bool_masked_pos"] = _half_mask(ctx, n)
@@ -570,40 +482,3 @@ def make_inputs(
         grid = "grid_thw" if ctx.accepts("grid_thw") else "image_grid_thw"
         out[grid] = extra["image_grid_thw"]
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# outputs
-# ----------------------------------------------------------------------------------------------
-
-
-def output_tensors(outputs: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Flatten a ModelOutput / tuple / dict / nested structure into ``{name: tensor}``.
-
-    Names are dotted paths (``logits``, ``last_hidden_state``, ``hidden_states.0``).  None and
-    non-tensor leaves (caches, ints, strings) are skipped.  Integer and bool tensors are kept as
-    they are; ``needs_exact(t)`` tells the comparator to compare those exactly.
-    """
-    flat: dict[str, torch.Tensor] = {}
-    _flatten(outputs, prefix, flat)
-    return flat
-
-
-def needs_exact(tensor: torch.Tensor) -> bool:
-    """True for integer/bool tensors, which must match bit-for-bit rather than within tolerance."""
-    return not (tensor.is_floating_point() or tensor.is_complex())
-
-
-def _flatten(obj: Any, name: str, flat: dict[str, torch.Tensor]) -> None:
-    if obj is None:
-        return
-    if isinstance(obj, torch.Tensor):
-        flat[name or "output"] = obj
-        return
-    join = (lambda k: f"{name}.{k}") if name else str
-    if isinstance(obj, dict):  # ModelOutput is an OrderedDict of its non-None fields
-        for key, value in obj.items():
-            _flatten(value, join(key), flat)
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            _flatten(value, join(i), flat)

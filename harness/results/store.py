@@ -13,8 +13,6 @@ see the missing columns as empty. Files that are not ours are refused by `dbfile
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import socket
 import sqlite3
@@ -26,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from harness import outcomes
+from harness.results.codec import canonical_json, encode, frame
 from harness.results.dbfile import (
     APP_NAME,
     BUSY_TIMEOUT_MS,
@@ -46,27 +45,6 @@ from harness.results.rows import (
 )
 
 __all__ = ["ResultStore", "StoreError", "canonical_json", "TABLES"]
-
-
-def _json_default(obj: Any) -> Any:
-    """Encode numpy scalars, torch dtypes/sizes, sets and anything else readable as JSON."""
-    item = getattr(obj, "item", None)
-    if callable(item):
-        try:
-            return item()
-        except (TypeError, ValueError):
-            pass
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    tolist = getattr(obj, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    return str(obj)
-
-
-def canonical_json(value: Any) -> str:
-    """JSON with sorted keys and no whitespace, so equal settings dicts give equal strings."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_json_default)
 
 
 @dataclass(frozen=True)
@@ -119,31 +97,6 @@ _SCHEMA = [
     "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
     _create_sql(COLLECTIVES),
 ]
-
-
-def _encode(row: Any, table: Table | None = None) -> dict[str, Any]:
-    """A row dataclass as SQL parameters: JSON for dicts/lists, 0/1 for bools, plain numbers."""
-    types = table.types if table is not None else column_types(type(row))
-    out: dict[str, Any] = {}
-    for name, typ in types.items():
-        v = getattr(row, name)
-        if name == "settings" and not isinstance(v, dict):
-            raise TypeError(f"{type(row).__name__}.settings must be a dict, got {type(v).__name__}")
-        if typ in (dict, list):
-            out[name] = canonical_json(v if v is not None else typ())
-        elif v is None:
-            out[name] = None if typ in (int, float) else ("" if typ is str else 0)
-        elif typ is bool:
-            out[name] = int(bool(v))
-        else:
-            out[name] = typ(v)
-    return out
-
-
-def _decode_json(text: Any) -> Any:
-    if text is None or (isinstance(text, float) and math.isnan(text)):
-        return None
-    return json.loads(text)
 
 
 class ResultStore:
@@ -272,7 +225,7 @@ class ResultStore:
                 setattr(info, key, value)
         if not info.host:
             info.host = socket.gethostname()
-        p = _encode(info)
+        p = encode(info)
         cols = ", ".join(p)
         # Atomic: several shards/workers may begin (or resume) the same run id at once. A resumed run keeps
         # its original start and metadata and is marked unfinished again.
@@ -350,7 +303,7 @@ class ResultStore:
         for key, value in versions().items():
             if not getattr(row, key):
                 setattr(row, key, value)
-        self._upsert(RESULTS, [_encode(row, RESULTS)])
+        self._upsert(RESULTS, [encode(row, RESULTS.types)])
 
     def finished_ids(self, run_id: str) -> set[str]:
         """Model ids that already have a row in ``run_id`` (any outcome): what a resumed run skips."""
@@ -361,7 +314,7 @@ class ResultStore:
         self._require_run(row.run_id)
         if not row.finished_at:
             row.finished_at = utc_now()
-        self._upsert(COLLECTIVES, [_encode(row, COLLECTIVES)])
+        self._upsert(COLLECTIVES, [encode(row, COLLECTIVES.types)])
 
     def _upsert(self, t: Table, rows: list[dict[str, Any]]) -> None:
         """Insert encoded rows, replacing rows with the same key; all-or-nothing, committed on return."""
@@ -388,7 +341,7 @@ class ResultStore:
             "(SELECT COUNT(*) FROM collectives c WHERE c.run_id=r.run_id) AS n_collectives "
             "FROM runs r ORDER BY r.started_at DESC, r.rowid DESC"
         )
-        return _frame(rows, [*RUN_COLUMNS, "n_results", "n_collectives"], {})
+        return frame(rows, [*RUN_COLUMNS, "n_results", "n_collectives"], {})
 
     def results(self, run_id: str | None = None) -> pd.DataFrame:
         """Result rows (all runs if ``run_id`` is None) with dict/list columns decoded.
@@ -407,7 +360,7 @@ class ResultStore:
                 "SELECT x.*, r.started_at AS run_started_at FROM results x JOIN runs r USING (run_id) "
                 "ORDER BY r.started_at, x.model_id"
             )
-        return _frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types)
+        return frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types)
 
     def history(self, model_id: str | None = None) -> pd.DataFrame:
         """Light per-run outcome history (no tracebacks/metrics), oldest run first: cheap across many nights."""
@@ -428,7 +381,7 @@ class ResultStore:
             "error_type",
             "unsupported_op",
         ]
-        return _frame(rows, [*names, "run_started_at", "list_name"], {})
+        return frame(rows, [*names, "run_started_at", "list_name"], {})
 
     def collectives(self, run_id: str | None = None) -> pd.DataFrame:
         """Collective benchmark rows (all runs if ``run_id`` is None), settings decoded."""
@@ -439,7 +392,7 @@ class ResultStore:
             )
         else:
             rows = self._query("SELECT * FROM collectives ORDER BY run_id, op, size_bytes, setting")
-        return _frame(rows, COLLECTIVES.columns, COLLECTIVES.types)
+        return frame(rows, COLLECTIVES.columns, COLLECTIVES.types)
 
     # -- whole tables, as stored (for merge) -----------------------------------------------------
 
@@ -478,30 +431,3 @@ class ResultStore:
 
     def __repr__(self) -> str:
         return f"ResultStore({str(self.path)!r})"
-
-
-
-
-def _frame(rows: list[dict[str, Any]], columns: list[str], types: dict[str, type]) -> pd.DataFrame:
-    """Rows as a frame with every expected column (None where an older DB lacks it), JSON decoded."""
-    df = pd.DataFrame(rows)
-    for c in columns:
-        if c not in df.columns:
-            df[c] = pd.Series([None] * len(df), dtype=object)
-    df = df[columns + [c for c in df.columns if c not in columns]]
-    if df.empty:
-        df = pd.DataFrame({c: pd.Series(dtype=object) for c in df.columns})
-        df["settings_json"] = pd.Series(dtype=object)
-        return df
-    df["settings_json"] = df["settings"]
-    df["settings"] = df["settings"].map(_decode_json)
-    for col, typ in types.items():
-        if col == "settings" or col not in df:
-            continue
-        if typ in (dict, list):
-            df[col] = df[col].map(_decode_json)
-        elif typ is float:
-            df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
-        elif typ is bool:
-            df[col] = df[col].map(lambda v: bool(v) if v is not None and v == v else False)
-    return df

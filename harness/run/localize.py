@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.models.inputs import output_tensors
+from harness.models.outputs import output_tensors
 from harness.run.compare import Tolerance, check_tensor
 
 

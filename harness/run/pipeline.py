@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from harness.backends import Adapter, adapter_for
-from harness.models.inputs import make_inputs, output_tensors
+from harness.models.inputs import make_inputs
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
+from harness.models.outputs import output_tensors
 from harness.results.rows import Measurement
 from harness.run.compare import Tolerance, compare_outputs, identical
 from harness.run.localize import capture, first_drift

@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from harness.models.configs import find_attr
 from harness.models.heads import candidates
-from harness.models.inputs import default_recipe, find_attr, make_inputs, output_tensors
+from harness.models.inputs import default_recipe, make_inputs
 from harness.models.model_list import ModelEntry, write_model_list
+from harness.models.outputs import output_tensors
 from harness.models.tiny import build_tiny, count_params, tiny_config
 from harness.run.compare import identical
 from harness.run.pool import Pool, context, serve

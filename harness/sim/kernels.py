@@ -30,7 +30,8 @@ import importlib
 
 import torch
 
-from .tensor import SimTensor, register_host_impl, to_sim
+from .facts import register_host_impl
+from .tensor import SimTensor, to_sim
 
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)

@@ -16,14 +16,13 @@ wrapper from the inner tensor, and ``param.data = other`` (what ``Module.to/half
 Speed: every op costs one Python call, so `_dispatch` is written for the common case (flat args of
 sim tensors and scalars) and everything it needs to know about an op (which args it writes, whether
 its outputs alias, whether it takes a generator, whether its operands get bf16-rounded) is read
-from the schema once and cached in `_Facts`.
+from the schema once and cached in `facts.Facts`.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves as pytree_leaves
@@ -31,6 +30,7 @@ from torch.utils._pytree import tree_map as pytree_map
 
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
+_facts = importlib.import_module(".facts", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
 
@@ -44,35 +44,6 @@ _STRIDED = torch.strided
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = aten.set_.source_Storage_storage_offset
 _TENSOR_DATA = torch._C.TensorBase.data  # the C-level `.data` descriptor SimTensor.data extends
-
-# Ops that legitimately mix devices (they are how data moves between host and device).
-_CROSS_DEVICE_OK = frozenset(
-    {
-        aten.copy_.default,
-        aten._to_copy.default,
-        aten._copy_from.default,
-        aten._copy_from_and_resize.default,
-        aten.copy.default,
-    }
-)
-
-# Ops whose index tensors may stay on the host, as CUDA allows (``x_cuda[cpu_long_tensor]``).
-_CPU_INDICES_OK = frozenset(
-    {
-        aten.index.Tensor,
-        aten.index.Tensor_out,
-        aten.index_put.default,
-        aten.index_put_.default,
-        aten._index_put_impl_.default,
-        aten._unsafe_index.Tensor,
-        aten._unsafe_index_put.default,
-    }
-)
-
-# op -> replacement host implementation, for ops whose CPU kernel lacks something a real
-# accelerator has (see kernels.py); called with the inner tensors instead of the CPU kernel.
-_HOST_IMPLS: dict[torch._ops.OpOverload, Callable] = {}
-
 
 class SimTensor(torch.Tensor):
     """A tensor on a simulated accelerator. Use `.cpu()` / `.to("cpu")` to get host data back."""
@@ -159,55 +130,6 @@ def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
     return _new(inner, idx)
 
 
-class _Facts:
-    """What `_dispatch` needs to know about one OpOverload, read from its schema once."""
-
-    __slots__ = ("call", "written", "written_kw", "aliases", "generator", "reduced", "cross_ok", "allowed")
-
-    def __init__(self, func: torch._ops.OpOverload, allowed: bool) -> None:
-        self.allowed = allowed
-        schema = func._schema
-        host = _HOST_IMPLS.get(func)
-        self.call = host if host is not None else func._op
-        written, written_kw = [], []
-        pos = 0
-        self.generator: int | str | None = None
-        for arg in schema.arguments:
-            is_write = arg.alias_info is not None and arg.alias_info.is_write
-            if arg.kwarg_only:
-                if is_write:
-                    written_kw.append(arg.name)
-                if arg.name == "generator":
-                    self.generator = arg.name
-            else:
-                if is_write:
-                    written.append(pos)
-                if arg.name == "generator":
-                    self.generator = pos
-                pos += 1
-        self.written = tuple(written)
-        self.written_kw = tuple(written_kw)
-        # Outputs that alias an input must never get fault-filled: that would corrupt the input (weights).
-        self.aliases = any(r.alias_info is not None for r in schema.returns)
-        self.reduced = _precision.REDUCED_ARGS.get(func)
-        self.cross_ok = func in _CROSS_DEVICE_OK
-
-
-def _facts_for(func: torch._ops.OpOverload) -> _Facts:
-    """Facts for `func` under the current profile, cached on the profile (keyed by the op's id:
-    OpOverloads live as long as the process, and an int key skips OpOverload.__hash__)."""
-    profile = _opset._profile
-    facts = profile._facts[id(func)] = _Facts(func, profile.allows(func))
-    return facts
-
-
-def register_host_impl(func: torch._ops.OpOverload, impl: Callable) -> None:
-    """Run `impl` (on host tensors) instead of `func`'s CPU kernel whenever `func` runs on sim."""
-    _HOST_IMPLS[func] = impl
-    for profile in _opset.resolved_profiles():
-        profile._facts.pop(id(func), None)
-
-
 _trace: set | None = None
 
 
@@ -255,7 +177,7 @@ def _unwrap(x, seen: _Seen, func, cross_ok: bool):
     if t is list or t is tuple:
         if not x or type(x[0]) is int:
             return x
-        if func in _CPU_INDICES_OK:
+        if func in _facts.CPU_INDICES_OK:
             cpu = seen.cpu
             out = t(_unwrap(y, seen, func, cross_ok) for y in x)
             seen.cpu = cpu
@@ -294,7 +216,7 @@ def _pair(back: dict[int, object], orig, inn) -> None:
         back[id(inn)] = orig
 
 
-def _finish_writes(facts: _Facts, args: tuple, kwargs: dict, a: list, k: dict, out, idx: int):
+def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: dict, out, idx: int):
     """After an op that writes an argument (in-place, out=, running stats): resync wrappers whose
     metadata changed, hand back the caller's own objects for outputs that are written arguments,
     and wrap the rest as fresh sim tensors."""
@@ -388,7 +310,7 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
         # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
         facts = _opset._profile._facts.get(id(func))
         if facts is None:
-            facts = _facts_for(func)
+            facts = _facts.facts_for(func)
         if not facts.allowed:
             raise _opset.unsupported_error(func)
 
