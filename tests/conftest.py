@@ -1,4 +1,4 @@
-"""Shared test helpers: a synthetic result DB for the report tests (and benchmarks/demos).
+"""Shared test helpers: a synthetic result DB, model-list rows, misbehaving remote-code models.
 
 ``write_synthetic_db`` is a plain function so scripts can import it too (put ``tests/`` on
 ``sys.path``); tests get it through the ``write_synthetic_db`` fixture rather than importing conftest.
@@ -178,3 +178,29 @@ def write_synthetic_db(
 def _write_synthetic_db_fixture() -> Callable[..., list[str]]:
     """:func:`write_synthetic_db` itself, so test modules need not import conftest."""
     return write_synthetic_db
+
+
+# ----------------------------------------------------------------------------------------------
+# Model lists and misbehaving models for runner tests
+# ----------------------------------------------------------------------------------------------
+
+LIST_HEADER = "id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path\n"
+_MODALITY = {"vit": "vision"}
+
+
+def list_rows(pairs: list[tuple[str, str]]) -> str:
+    """Model-list CSV rows for tiny (arch, head) pairs."""
+    return "".join(f"tiny/{a}/{h},tiny,{a},{h},{_MODALITY.get(a, 'text')},,,,,,,\n" for a, h in pairs)
+
+
+@pytest.fixture(name="patho")
+def _patho_fixture(tmp_path):
+    """`patho(behaviour)` -> (model id, saved checkpoint dir) of a remote-code model that crashes,
+    hangs, allocates without bound (``crash``, ``hang``, ``oom``) or behaves (``none``) on the target."""
+    import pathological_models
+
+    def build(behaviour: str):
+        return f"patho/{behaviour}", pathological_models.build(tmp_path / "patho-models", behaviour)
+
+    build.rows = pathological_models.list_rows  # type: ignore[attr-defined]
+    return build

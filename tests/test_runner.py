@@ -12,15 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import LIST_HEADER, list_rows
 
 from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
 from harness.run.runner import RunConfig, run_models, shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-import pathological_models  # noqa: E402
-
-HEADER = "id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path\n"
+HEADER = LIST_HEADER
 EXACT = {"precision": "highest", "ops": "full"}
 FAST = [  # (arch, head) pairs that build and run in well under a second
     ("bert", "base"), ("bert", "masked-lm"), ("bert", "seq-cls"), ("bert", "token-cls"), ("bert", "qa"),
@@ -32,12 +30,10 @@ FAST = [  # (arch, head) pairs that build and run in well under a second
     ("mistral", "base"), ("mistral", "causal-lm"), ("qwen2", "base"), ("qwen2", "causal-lm"),
     ("opt", "base"), ("opt", "causal-lm"), ("vit", "base"), ("vit", "image-cls"),
 ]
-MODALITY = {"vit": "vision"}
 
 
 def write_list(path: Path, pairs: list[tuple[str, str]], extra: str = "") -> Path:
-    rows = "".join(f"tiny/{a}/{h},tiny,{a},{h},{MODALITY.get(a, 'text')},,,,,,,\n" for a, h in pairs)
-    path.write_text(HEADER + rows + extra)
+    path.write_text(HEADER + list_rows(pairs) + extra)
     return path
 
 
@@ -85,9 +81,9 @@ def test_bad_device_is_quarantined_and_its_models_rerun_elsewhere(tmp_path: Path
     assert summary.spares_used == ["sim:2"]
 
 
-def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path) -> None:
-    dirs = {f"patho/{b}": pathological_models.build(tmp_path / "models", b) for b in ("crash", "oom")}
-    lst = write_list(tmp_path / "l.csv", [("bert", "base"), ("gpt2", "causal-lm")], pathological_models.list_rows(dirs))
+def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path, patho) -> None:
+    dirs = dict(patho(b) for b in ("crash", "oom"))
+    lst = write_list(tmp_path / "l.csv", [("bert", "base"), ("gpt2", "causal-lm")], patho.rows(dirs))
     db = tmp_path / "r.db"
     entries = load_model_list(str(lst))
     summary = run_models(entries, RunConfig(settings=EXACT, jobs=2, retries=0, timeout_s=600, mem_cap_mb=2048,
@@ -103,11 +99,9 @@ def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path) -> None:
     assert all(r["peak_rss_mb"] and r["peak_rss_mb"] > 50 for r in got.values() if r["outcome"] == "pass")
 
 
-def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path) -> None:
-    dirs = {"patho/hang": pathological_models.build(tmp_path / "models", "hang")}
-    none = {"patho/none": pathological_models.build(tmp_path / "models", "none")}
+def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path, patho) -> None:
     lst = tmp_path / "l.csv"
-    lst.write_text(HEADER + pathological_models.list_rows(dirs | none))
+    lst.write_text(HEADER + patho.rows(dict([patho("hang"), patho("none")])))
     db = tmp_path / "r.db"
     t0 = time.monotonic()
     summary = run_models(load_model_list(str(lst)), RunConfig(settings=EXACT, jobs=1, retries=1, timeout_s=10,
@@ -120,9 +114,9 @@ def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path) -> None:
     assert summary.unfinished == 0 and time.monotonic() - t0 < 300
 
 
-def test_kill_9_then_resume_loses_nothing(tmp_path: Path) -> None:
+def test_kill_9_then_resume_loses_nothing(tmp_path: Path, patho) -> None:
     # A hanging model guarantees the run is still going when it is killed; on resume it times out.
-    hang = pathological_models.list_rows({"patho/hang": pathological_models.build(tmp_path / "models", "hang")})
+    hang = patho.rows(dict([patho("hang")]))
     lst = write_list(tmp_path / "l.csv", FAST[:13], hang)
     db = tmp_path / "r.db"
     args = [sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--jobs", "2",

@@ -1,1 +1,1 @@
-"""TODO"""
+"""Benchmarks that produce rows beside the model results: collective settings (`collectives`)."""
