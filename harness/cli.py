@@ -135,16 +135,10 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     from harness.run.runner import RunConfig
 
     options = {"precision": args.precision}
-    if args.ops is not None:
-        options["ops"] = args.ops
-    if args.attn:
-        options["attn"] = args.attn
+    for key in ("ops", "attn", "fault"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
     settings = adapter_for(args.target).check_settings(options)
-    if args.fault:
-        from harness.sim.faults import parse_fault_spec
-
-        parse_fault_spec(args.fault)  # validate before any worker starts
-        os.environ["PORTHARNESS_SIM_FAULTS"] = args.fault
     return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout,
                      mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
 

@@ -72,6 +72,10 @@ class Adapter:
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         return out
 
+    def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
+        """Environment a worker needs for `settings` (switches a backend reads when it loads)."""
+        return {}
+
     @contextlib.contextmanager
     def apply(self, settings: dict[str, Any]) -> Iterator[None]:
         """Run the target side of a model under `settings` (restored afterwards)."""

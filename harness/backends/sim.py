@@ -15,7 +15,7 @@ from harness.backends.base import Adapter
 
 
 class SimAdapter(Adapter):
-    options = ("ops",)
+    options = ("ops", "fault")
     precisions = ("default", "highest")
 
     def load(self) -> None:
@@ -34,7 +34,15 @@ class SimAdapter(Adapter):
         ops = out.setdefault("ops", "young")
         if ops not in profile_names() and not os.path.isfile(ops):
             raise ValueError(f"--ops {ops!r}: expected one of {', '.join(profile_names())} or a profile file")
+        if "fault" in out:
+            from harness.sim.faults import parse_fault_spec
+
+            parse_fault_spec(out["fault"])  # a bad spec fails here, before any worker starts
         return out
+
+    def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
+        # faults are read when sim loads in the worker, so they travel as its environment
+        return {"PORTHARNESS_SIM_FAULTS": settings["fault"]} if settings.get("fault") else {}
 
     @contextlib.contextmanager
     def apply(self, settings: dict[str, Any]) -> Iterator[None]:

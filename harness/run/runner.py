@@ -127,16 +127,18 @@ class _Run:
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
-        devices = list(config.devices or adapter_for(config.target).devices(config.target))
+        adapter = adapter_for(config.target)
+        devices = list(config.devices or adapter.devices(config.target))
         active, spares = policy.split_devices(devices, config.spare)
         self.fleet = policy.Fleet(active, spares, quarantine_after=config.quarantine_after, retries=config.retries)
         self.counts: Counter[str] = Counter()
         threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
+        worker_env = adapter.worker_env(settings)
         self.pool = Pool(
             context([*PRELOAD, "harness.run.worker"]),
             worker_main,
             # the forkserver's environment is from whenever it started; workers get today's
-            lambda device: (device, threads, config.mem_cap_mb, dict(os.environ)),
+            lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}),
             timeout_s=config.timeout_s,
         )
         self.startup_failures = 0
