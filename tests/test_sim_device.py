@@ -102,17 +102,22 @@ def test_device_count_env_var():
     assert "PORTHARNESS_SIM_DEVICES='zero'" in bad.stderr
 
 
-def test_autoload_entry_point():
-    # No harness import: the torch.backends entry point registers sim inside `import torch`.
+def test_autoload_entry_point_is_opt_in():
+    # No harness import: with PORTHARNESS_SIM_AUTOLOAD=1 the torch.backends entry point registers sim
+    # inside `import torch`; without it, importing torch leaves PrivateUse1 free for other backends.
     code = (
         "import torch\nprint(torch.ones(1, device='sim').device, torch._C._get_privateuse1_backend_name())\n"
     )
-    r = _python(code)
+    r = _python(code, env={"PORTHARNESS_SIM_AUTOLOAD": "1"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["sim:0", "sim"]
-    off = _python(code, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    off = _python(code, env={"PORTHARNESS_SIM_AUTOLOAD": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert off.returncode != 0
     assert "sim" in off.stderr and "device type" in off.stderr
+    plain = _python("import torch\nprint(torch._C._get_privateuse1_backend_name())\n",
+                    env={"PORTHARNESS_SIM_AUTOLOAD": ""})
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split() == ["privateuseone"]
 
 
 # --- the device module ----------------------------------------------------------------------------

@@ -14,6 +14,18 @@ from typing import Any
 from harness.backends.base import Adapter
 
 
+AUTOLOAD_ENV = "PORTHARNESS_SIM_AUTOLOAD"
+
+
+def autoload() -> None:
+    """`torch.backends` entry point, run inside `import torch`: loads sim only when opted in.
+
+    Only one backend can own PrivateUse1 per process; claiming it in every process that imports torch
+    would break any other PrivateUse1 backend installed beside portharness."""
+    if os.environ.get(AUTOLOAD_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        import harness.sim  # noqa: F401
+
+
 class SimAdapter(Adapter):
     options = ("ops", "fault")
     precisions = ("default", "highest")

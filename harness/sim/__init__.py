@@ -1,7 +1,6 @@
 """`sim`: a simulated young accelerator, plugged into PyTorch through the PrivateUse1 dispatch key.
 
-Importing this package (or just `import torch`, via the ``torch.backends`` autoload entry point)
-renames PrivateUse1 to ``sim``, registers the `torch.sim` device module and generates the
+Importing this package renames PrivateUse1 to ``sim``, registers the `torch.sim` device module and generates the
 Tensor/Module helpers, after which ``torch.ones(2, device="sim")``, ``t.to("sim:1")``,
 ``model.to("sim")``, ``t.is_sim`` and ``t.cpu()`` behave as on any accelerator. Memory is host
 memory, but tensors really live on ``sim``: mixing a sim and a CPU tensor in one op fails the way
@@ -34,24 +33,16 @@ defers it (NaN outputs) and raises it when ``backward()`` returns / at the next 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
 
+Only one backend can own PrivateUse1 in a process, so sim is loaded only when asked for: by this
+import (the harness does it only for a ``sim`` target), or at ``import torch`` through the
+``torch.backends`` entry point when ``PORTHARNESS_SIM_AUTOLOAD=1`` is set.
+
 This package depends only on torch; nothing here knows about the harness runner.
 """
 
 from __future__ import annotations
 
 import importlib
-
-
-def _autoload() -> None:
-    """Entry point for ``torch.backends`` autoloading (runs inside `import torch`).
-
-    Defined before this package imports torch: when `import harness.sim` comes first, torch's
-    autoload re-enters this half-imported package, finds this function and does nothing (the
-    package registers at the end of its own import).
-    """
-    if "_register" in globals():
-        _register()
-
 
 import torch
 
