@@ -13,7 +13,6 @@ from typing import Any
 
 from harness.backends.base import Adapter
 
-
 AUTOLOAD_ENV = "PORTHARNESS_SIM_AUTOLOAD"
 
 
