@@ -37,6 +37,15 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", default=None,
                    help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)")
     p.add_argument("--no-localize", action="store_true", help="skip the per-module drift localization")
+    p.add_argument("--fallback", default=None, choices=["off", "cpu"],
+                   help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
+    _backend_option(p)
+
+
+def _backend_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", default=[], metavar="MODULE",
+                   help="import MODULE to register the target's backend (repeatable; also PORTHARNESS_BACKENDS="
+                        "mod1,mod2); entry-point backends load by themselves")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--settings", default=None, help="comma-separated setting names (fused, skinny[:N], bucket:N, "
                    "cap:N, per-device, per-host[:k])")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP training-step benchmark")
+    _backend_option(p)
     p.add_argument("--db", default=None, help="record rows in this result DB")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_collectives)
@@ -131,15 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_config(args: argparse.Namespace, **overrides: Any):
-    from harness.backends import adapter_for
+    """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
+    from harness.backends import backend_modules, load_backends, resolve_target
     from harness.run.runner import RunConfig
 
+    modules = backend_modules(args.backend)
+    load_backends(modules)
+    adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault"):
+    for key in ("ops", "attn", "fault", "fallback"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
-    settings = adapter_for(args.target).check_settings(options)
-    return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout,
+    settings = adapter.check_settings(options)
+    return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
                      mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
 
 
@@ -190,6 +204,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
           + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
     print(outcome_table(summary.counts, done))
+    if summary.with_fallback:
+        print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())))
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
@@ -265,10 +281,14 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def collectives_config(args: argparse.Namespace):
     """The benchmark configuration `portharness collectives` arguments describe (validated)."""
+    from harness.backends import backend_modules, load_backends
     from harness.bench import collectives as bench
 
+    modules = backend_modules(args.backend)
+    load_backends(modules)
     cfg = bench.BenchConfig(
         target=args.target, world_size=args.world_size, repeats=args.repeats, warmup=args.warmup, ddp=args.ddp,
+        backends=modules,
         sizes=bench.parse_sizes(args.sizes) if args.sizes else list(bench.DEFAULT_SIZES),
         settings=[s.strip() for s in args.settings.split(",") if s.strip()] if args.settings
         else list(bench.DEFAULT_SETTINGS),

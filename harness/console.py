@@ -14,12 +14,13 @@ from rich.table import Table
 from harness.outcomes import OUTCOMES
 
 _VERDICT_FIELDS = [
-    ("outcome", "outcome"),
+    ("outcome", None),
     ("model", "model_id"),
     ("arch / task", None),
     ("target", "device"),
     ("settings", None),
-    ("unsupported op", "unsupported_op"),
+    ("unsupported op", None),
+    ("cpu fallback", None),
     ("error", None),
     ("first drifting module", None),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
@@ -36,6 +37,8 @@ def _console() -> Console:
 
 
 def _derived(label: str, row: dict[str, Any]) -> Any:
+    if label == "outcome":
+        return row.get("outcome", "") + (" (ran with CPU fallback)" if row.get("fallback_ops") else "")
     if label == "arch / task":
         return f"{row.get('arch', '')} / {row.get('task', '')}"
     if label == "settings":
@@ -43,6 +46,14 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
     if label == "error":
         parts = [row.get("error_type") or "", row.get("error_message") or ""]
         return ": ".join(p for p in parts if p) or None
+    if label == "unsupported op":
+        op, dtype = row.get("unsupported_op"), row.get("unsupported_dtype")
+        return f"{op} (dtype {dtype})" if op and dtype else op
+    if label == "cpu fallback":
+        ops = row.get("fallback_ops") or {}
+        if not row.get("op_census"):
+            return None
+        return ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) if ops else "none (every op ran natively)"
     if label == "first drifting module":
         m = row.get("first_drift_module")
         return f"{m} ({row.get('first_drift_module_type', '')})" if m else None

@@ -20,26 +20,35 @@ class Outcome:
     colour: str  # report colour
     meaning: str
     reference_side: bool = False  # the model or the CPU reference failed: says nothing about the target
+    device_side: bool = False  # the device failed, not the model: re-run elsewhere / on resume
     retryable: bool = False  # suspicious enough to re-run on another device
+    ran: bool = False  # the target ran the model to the end (the "ran %" numerator)
+    matched: bool = False  # ... and its numerics matched (the "numerics matched %" numerator)
 
 
 TABLE: tuple[Outcome, ...] = (
     Outcome("load_fail", 6, "#546e7a", "the model could not be loaded or fed", reference_side=True),
     Outcome("ref_fail", 6, "#78909c", "the fp32 CPU reference raised", reference_side=True),
     Outcome("ref_nondeterministic", 6, "#90a4ae", "two fp32 CPU reference runs differ", reference_side=True),
+    Outcome("device_error", 5, "#37474f", "the device failed (its backend said so); the model is re-run",
+            device_side=True, retryable=True),
     Outcome("unsupported_op", 3, "#6a1b9a", "the target lacks an op (named in the row)"),
     Outcome("crash", 5, "#c62828", "the target run raised or its worker died", retryable=True),
     Outcome("timeout", 4, "#8d6e63", "the model ran past the time budget", retryable=True),
     Outcome("oom", 4, "#5d4037", "out of memory"),
-    Outcome("drift", 2, "#ef6c00", "outputs beyond the comparison rule's bound"),
-    Outcome("flaky", 1, "#c0a000", "failed, then passed on a retry on a healthy device"),
-    Outcome("pass", 0, "#2e7d32", "outputs within the fp32 bound"),
+    Outcome("drift", 2, "#ef6c00", "outputs beyond the comparison rule's bound", ran=True),
+    Outcome("flaky", 1, "#c0a000", "failed, then passed on a retry on a healthy device", ran=True, matched=True),
+    Outcome("pass", 0, "#2e7d32", "outputs within the fp32 bound", ran=True, matched=True),
 )
 
 BY_NAME: dict[str, Outcome] = {o.name: o for o in TABLE}
 OUTCOMES: tuple[str, ...] = tuple(o.name for o in TABLE)
 REFERENCE_SIDE: frozenset[str] = frozenset(o.name for o in TABLE if o.reference_side)
+DEVICE_SIDE: frozenset[str] = frozenset(o.name for o in TABLE if o.device_side)
+NOT_THE_MODELS: frozenset[str] = REFERENCE_SIDE | DEVICE_SIDE  # say nothing about the target's support
 RETRYABLE: frozenset[str] = frozenset(o.name for o in TABLE if o.retryable)
+RAN: frozenset[str] = frozenset(o.name for o in TABLE if o.ran)
+MATCHED: frozenset[str] = frozenset(o.name for o in TABLE if o.matched)
 PASSING: frozenset[str] = frozenset({"pass"})
 COLOURS: dict[str, str] = {o.name: o.colour for o in TABLE}
 UNKNOWN_SEVERITY = 5  # an outcome written by a newer portharness: treat it like a crash
@@ -56,3 +65,18 @@ def check(outcome: str) -> str:
     if outcome not in BY_NAME:
         raise ValueError(f"unknown outcome {outcome!r}; expected one of {', '.join(OUTCOMES)}")
     return outcome
+
+
+def headline(counts: dict[str, int]) -> dict[str, float | int | None]:
+    """TorchTPU's two figures: ran % of the models the target was asked to run (reference-side and
+    device-side outcomes excluded), and numerics matched % of those that ran."""
+    tested = sum(n for o, n in counts.items() if o not in NOT_THE_MODELS)
+    ran = sum(n for o, n in counts.items() if o in RAN)
+    matched = sum(n for o, n in counts.items() if o in MATCHED)
+    return {
+        "tested": tested,
+        "ran": ran,
+        "matched": matched,
+        "ran_pct": 100.0 * ran / tested if tested else None,
+        "matched_pct": 100.0 * matched / ran if ran else None,
+    }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,7 @@ _OUTCOME_WEIGHTS: dict[str, float] = {
     "load_fail": 0.03,
     "ref_fail": 0.01,
     "ref_nondeterministic": 0.02,
+    "device_error": 0.01,
 }
 # A new outcome in harness/outcomes.py must get a weight here, or the report tests never see it.
 assert set(_OUTCOME_WEIGHTS) == set(OUTCOMES), set(OUTCOMES) ^ set(_OUTCOME_WEIGHTS)
@@ -204,3 +206,41 @@ def _patho_fixture(tmp_path):
 
     build.rows = pathological_models.list_rows  # type: ignore[attr-defined]
     return build
+
+
+# ----------------------------------------------------------------------------------------------
+# A second, out-of-tree PrivateUse1 backend installed next to portharness
+# ----------------------------------------------------------------------------------------------
+
+TOY_SRC = Path(__file__).parent / "toy_backend"
+
+
+def make_toy_env(root: Path) -> Path:
+    """A venv that sees this environment's packages (torch, transformers, portharness) with the `npu-toy`
+    package pip-installed into it (its torch.backends entry point included); returns its python."""
+    import shutil
+    import site
+    import subprocess
+    import sys
+    import venv
+
+    venv.create(root / "venv", with_pip=False, symlinks=True)
+    py = root / "venv" / "bin" / "python"
+    purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    # addsitedir (not a bare path) so the parent's .pth files (an editable portharness) apply too
+    parents = [p for p in [*site.getsitepackages(), site.getusersitepackages()] if Path(p).is_dir()]
+    (purelib / "_parent_env.pth").write_text(f"import site; list(map(site.addsitedir, {parents!r}))\n")
+    src = root / "npu-toy-src"
+    shutil.copytree(TOY_SRC, src)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "--target", str(purelib), str(src)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    return py
+
+
+@pytest.fixture(name="toy_python", scope="session")
+def _toy_python_fixture(tmp_path_factory) -> Path:
+    return make_toy_env(tmp_path_factory.mktemp("toy-env"))

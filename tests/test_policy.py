@@ -90,12 +90,32 @@ def test_second_strike_quarantines_brings_in_a_spare_and_relabels_the_flaky() ->
 def test_device_faults_strike_at_once_and_count() -> None:
     f = fleet(2, quarantine_after=1)
     job = Job("a")
-    verdict = policy.settle(f, job, m("crash", device_fault=True), "d0", 1.0)
+    verdict = policy.settle(f, job, m("device_error", device_fault=True), "d0", 1.0)
     assert f.faults_seen == 1 and [q.device for q in verdict.quarantined] == ["d0"]
-    assert verdict.retry  # a crash, retried on a healthy device
+    assert verdict.retry  # re-run on a healthy device
     assert policy.pick_job(f, "d0", [job], ["d0", "d1"]) is None  # quarantined devices take nothing
     passed = policy.settle(f, job, m("pass"), "d1", 1.0)
     assert passed.outcome == "pass" and f.strikes["d0"] == 1  # not struck twice for one fault
+
+
+def test_a_device_fault_never_makes_a_model_flaky_nor_uses_its_retries() -> None:
+    f = fleet(3, quarantine_after=5, retries=0)
+    job = Job("a")
+    assert policy.settle(f, job, m("device_error", device_fault=True), "d0", 1.0).retry
+    assert policy.pick_job(f, "d0", [job], ["d0"]) is None  # never back to the device that failed it
+    assert policy.settle(f, job, m("pass"), "d1", 1.0).outcome == "pass"
+    other = Job("b")
+    assert policy.settle(f, other, m("device_error", device_fault=True), "d0", 1.0).retry
+    assert policy.settle(f, other, m("crash"), "d1", 1.0).outcome == "crash"  # retries=0: its own crash is final
+
+
+def test_device_error_with_no_healthy_device_left_is_pending() -> None:
+    f = fleet(2, quarantine_after=1)
+    job = Job("a")
+    assert policy.settle(f, job, m("device_error", device_fault=True), "d0", 1.0).retry
+    verdict = policy.settle(f, job, m("device_error", device_fault=True), "d1", 1.0)
+    assert verdict.outcome == "device_error" and verdict.pending and not verdict.retry
+    assert f.active == [] and f.quarantined == ["d0", "d1"]
 
 
 def test_retries_run_out() -> None:

@@ -4,7 +4,8 @@ The nightly CI gates on :func:`main_diff`'s exit code, so the classification is 
 conservative about what counts as a *target regression*:
 
 * a model whose reference (CPU) run or loading failed on either side says nothing about the target
-  backend; such changes are reported under ``ref_changes``, never as regressions;
+  backend, and neither does a device error (the model is re-run); such changes are reported under
+  ``ref_changes``, never as regressions;
 * a model whose head outcome is ``flaky``, or whose id matches the known-flaky allowlist (like
   PyTorch's dynamo CI flaky list), is reported but does not fail the gate;
 * drift growth gates only when the model was already drifting and its rmse ratio grew by more
@@ -24,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.matrix import with_config
-from harness.outcomes import REFERENCE_SIDE, severity
+from harness.outcomes import NOT_THE_MODELS, severity
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -196,7 +197,7 @@ def diff_runs(
             else:
                 res.unchanged += 1
             continue
-        if bo in REFERENCE_SIDE or ho in REFERENCE_SIDE:
+        if bo in NOT_THE_MODELS or ho in NOT_THE_MODELS:
             res.ref_changes.append(ch)
         elif ho == "flaky":
             pass  # reported under flaky; flakiness is not a regression
@@ -308,7 +309,7 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     section("fixes", res.fixes)
     section("other outcome changes", [c for c in res.outcome_changes if c.direction != "worse"])
     section("drift grew among passing models (not gating)", res.drift_warnings, ratios=True)
-    section("reference/load changes (not target regressions)", res.ref_changes)
+    section("reference/load/device changes (not target regressions)", res.ref_changes)
     section("flaky", res.flaky)
     section("known-flaky allowlist (not counted)", res.allowlisted)
     section("added", res.added)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.outcomes import OUTCOMES, REFERENCE_SIDE
+from harness.outcomes import NOT_THE_MODELS, OUTCOMES
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -112,7 +112,7 @@ def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
     counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=list(OUTCOMES), fill_value=0)
     counts.columns.name = None
     n = counts.sum(axis=1)
-    not_ref = n - counts[sorted(REFERENCE_SIDE)].sum(axis=1)
+    not_ref = n - counts[sorted(NOT_THE_MODELS)].sum(axis=1)
     out = pd.DataFrame({"n": n, "pass": counts["pass"]})
     out["pass_rate"] = (counts["pass"] / n).round(4)
     out["target_pass_rate"] = (counts["pass"] / not_ref.where(not_ref > 0)).round(4)
@@ -217,6 +217,45 @@ def op_coverage(
         for col in ("opinfo_passed", "opinfo_skipped", "opinfo_failed"):
             out[col] = out[col].astype("Int64")
     return out
+
+
+SUPPORT = ("N", "CPU_FALLBACK", "Y")  # TorchNeuron's per-op marks, worst first
+
+
+def op_support(df: pd.DataFrame) -> pd.DataFrame:
+    """Per op over a run: Y (ran natively everywhere it ran), CPU_FALLBACK (fell back to the CPU in some
+    model), N (the target lacks it: it blocked a model). Native ops are known only for backends that
+    report them; fallbacks only for backends with counters."""
+    df = latest_per_key(df)
+    native: dict[str, set[str]] = {}
+    fell: dict[str, set[str]] = {}
+    calls: dict[str, int] = {}
+    blocked: dict[str, set[str]] = {}
+    for rec in df.to_dict("records") if not df.empty else []:
+        model = rec["model_id"]
+        for op in rec.get("native_ops") or []:
+            native.setdefault(op, set()).add(model)
+        for op, n in (rec.get("fallback_ops") or {}).items():
+            fell.setdefault(op, set()).add(model)
+            calls[op] = calls.get(op, 0) + int(n)
+        if rec.get("outcome") == "unsupported_op":
+            for op in split_ops(rec.get("unsupported_op")):
+                blocked.setdefault(op, set()).add(model)
+    records = []
+    for op in sorted(native.keys() | fell.keys() | blocked.keys()):
+        status = "N" if op in blocked else "CPU_FALLBACK" if op in fell else "Y"
+        records.append({
+            "op": op, "status": status, "native_models": len(native.get(op, ())),
+            "fallback_models": len(fell.get(op, ())), "fallback_calls": calls.get(op, 0),
+            "blocked_models": len(blocked.get(op, ())),
+        })
+    columns = ["op", "status", "native_models", "fallback_models", "fallback_calls", "blocked_models"]
+    out = pd.DataFrame(records, columns=columns)
+    if not out.empty:
+        out["_rank"] = out["status"].map(SUPPORT.index)
+        out = out.sort_values(["_rank", "blocked_models", "fallback_models", "op"],
+                              ascending=[True, False, False, True], kind="stable").drop(columns="_rank")
+    return out.reset_index(drop=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from harness.backends import errors
 
 # --precision values every backend accepts: torch's float32 matmul precision knob
 MATMUL_PRECISIONS = ("default", "highest", "high", "medium")
+
+
+@dataclass
+class OpCensus:
+    """Which ops a target run executed natively and which fell back to the CPU (None: not reported)."""
+
+    native: list[str] | None = None
+    fallback: dict[str, int] | None = None
 
 
 class Adapter:
@@ -34,10 +45,16 @@ class Adapter:
     def load(self) -> None:
         """Make the device type usable in this process (import/register the backend). Idempotent."""
 
+    more_devices_hint = ""  # how to get more devices, for the out-of-range message
+
     def device_count(self) -> int:
+        """From the backend's device module (`torch.get_device_module`), as every PyTorch user asks it."""
         import torch
 
-        module = getattr(torch, self.kind, None)
+        try:
+            module = torch.get_device_module(self.kind)
+        except (RuntimeError, AttributeError, ValueError):
+            return 0
         count = getattr(module, "device_count", None)
         return int(count()) if callable(count) else 0
 
@@ -46,13 +63,17 @@ class Adapter:
         import torch
 
         dev = torch.device(target)
-        count = self.device_count()
+        try:
+            count = self.device_count()
+        except Exception as e:  # a driver that cannot even count its devices
+            raise ValueError(f"--target {target}: the {dev.type} backend cannot count its devices ({e})") from e
         if count < 1:
-            raise ValueError(f"target {target!r}: no {dev.type} devices visible in this process")
+            raise ValueError(f"--target {target}: no {dev.type} device is visible in this process")
         if dev.index is not None:
             if dev.index >= count:
                 raise ValueError(
-                    f"target {target!r}: device index {dev.index} out of range ({count} {dev.type} device(s))"
+                    f"--target {target}: device index {dev.index} out of range, {count} {dev.type} device(s) "
+                    f"({', '.join(f'{dev.type}:{i}' for i in range(count))}){self.more_devices_hint}"
                 )
             return [str(dev)]
         return [f"{dev.type}:{i}" for i in range(count)]
@@ -90,8 +111,33 @@ class Adapter:
         finally:
             torch.set_float32_matmul_precision(prev)
 
+    def seed(self, seed: int) -> None:
+        """Seed every device of this backend (a dead device fails here, before any model code)."""
+        import torch
+
+        module = torch.get_device_module(self.kind)
+        manual_seed_all = getattr(module, "manual_seed_all", None)
+        if callable(manual_seed_all):
+            manual_seed_all(seed)
+
+    @contextlib.contextmanager
+    def census(self) -> Iterator[OpCensus]:
+        """Count, around a target run, the ops that ran natively and those that fell back to the CPU.
+
+        Generic backends have no portable counters: both stay None ("unknown")."""
+        yield OpCensus()
+
     # -- errors ------------------------------------------------------------------------------
 
     def is_device_fault(self, exc: BaseException) -> bool:
-        """True when `exc` says the device, not the model, is at fault (counts toward quarantine)."""
-        return False
+        """True when `exc` says the device, not the model, is at fault (counts toward quarantine).
+
+        Generic: PyTorch's and common runtimes' messages for a lost device, ECC errors, driver and
+        collective-library failures. A vendor adapter adds its runtime's exception types."""
+        return isinstance(exc, RuntimeError | OSError) and errors.is_device_fault_message(str(exc))
+
+    def parse_missing_op(self, exc: BaseException) -> errors.MissingOp | None:
+        """The op (and dtype) `exc` says this backend lacks, or None for any other error."""
+        if not isinstance(exc, NotImplementedError | RuntimeError | ValueError | TypeError):
+            return None
+        return errors.parse_missing_op(str(exc), self.kind)

@@ -11,5 +11,5 @@ class CpuAdapter(Adapter):
 
     def devices(self, target: str) -> list[str]:
         if target not in ("cpu", "cpu:0"):
-            raise ValueError(f"target {target!r}: the CPU is one device; use --target cpu")
+            raise ValueError(f"--target {target}: the CPU is one device; use --target cpu")
         return ["cpu"]

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from harness.backends.base import Adapter
+from harness.backends.base import Adapter, OpCensus
 
 AUTOLOAD_ENV = "PORTHARNESS_SIM_AUTOLOAD"
 
@@ -26,7 +26,8 @@ def autoload() -> None:
 
 
 class SimAdapter(Adapter):
-    options = ("ops", "fault")
+    options = ("ops", "fault", "fallback")
+    more_devices_hint = "; set PORTHARNESS_SIM_DEVICES to simulate more"
     precisions = ("default", "highest")
 
     def load(self) -> None:
@@ -45,6 +46,8 @@ class SimAdapter(Adapter):
         ops = out.setdefault("ops", "young")
         if ops not in profile_names() and not os.path.isfile(ops):
             raise ValueError(f"--ops {ops!r}: expected one of {', '.join(profile_names())} or a profile file")
+        if out.get("fallback", "off") not in ("off", "cpu"):
+            raise ValueError(f"--fallback {out['fallback']!r}: sim supports off or cpu")
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
@@ -59,8 +62,31 @@ class SimAdapter(Adapter):
     def apply(self, settings: dict[str, Any]) -> Iterator[None]:
         import harness.sim as sim
 
-        with sim.precision(settings.get("precision", "default")), sim.op_profile(settings.get("ops", "young")):
+        with (
+            sim.precision(settings.get("precision", "default")),
+            sim.op_profile(settings.get("ops", "young")),
+            sim.fallback(settings.get("fallback", "off")),
+        ):
             yield
+
+    def seed(self, seed: int) -> None:
+        self.load()
+        super().seed(seed)
+
+    @contextlib.contextmanager
+    def census(self) -> Iterator[OpCensus]:
+        from harness.sim import fallback_counts, reset_fallback_counts
+        from harness.sim.tensor import start_trace, stop_trace
+
+        found = OpCensus()
+        reset_fallback_counts()
+        start_trace()
+        try:
+            yield found
+        finally:
+            seen = stop_trace()
+            found.fallback = fallback_counts()
+            found.native = sorted(seen - set(found.fallback))
 
     def is_device_fault(self, exc: BaseException) -> bool:
         from harness.sim import SimDeviceError

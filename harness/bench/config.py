@@ -55,6 +55,7 @@ class BenchConfig:
     warmup: int = DEFAULT_WARMUP
     ddp: bool = True
     timeout_s: float = 300.0
+    backends: list[str] = field(default_factory=list)  # modules each rank imports first (--backend)
 
     def validate(self) -> None:
         if self.target not in TARGETS:

@@ -177,6 +177,9 @@ def rank_main(rank: int, cfg_dict: dict, workdir: str) -> None:
     cfg = BenchConfig(**cfg_dict)
     import torch.distributed as dist
 
+    from harness.backends import load_backends
+
+    load_backends(cfg.backends, entry_points=True)
     import harness.comms.shaped  # noqa: F401  registers shaped_gloo / shaped_nccl
 
     note: dict = {}

@@ -19,7 +19,7 @@ import pandas as pd
 
 from harness import __version__
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
-from harness.analysis.matrix import op_coverage, outcome_counts, with_config
+from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.views import (
     collectives_view,
@@ -155,6 +155,11 @@ def _prepare_out(out: Path) -> None:
     for f in ASSETS_DIR.iterdir():
         if f.is_file():
             shutil.copyfile(f, assets / f.name)
+    # Outcome colours have one home (harness/outcomes.py); the stylesheet for them is generated from it.
+    (assets / "outcomes.css").write_text(
+        "".join(f".o-{name} {{ background: {colour}; }}\n" for name, colour in COLOURS.items())
+        + ".o-none { background: #d0d7de; color: #57606a; }\n.chip.fallback { outline: 2px dashed #6a1b9a; }\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,6 +215,7 @@ def _render_ops(
         "ops.html",
         "ops.html",
         ops=records(cov),
+        support=records(op_support(df)) if not df.empty else [],
         has_opinfo=opinfo_csv is not None,
         opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
         hrefs=hrefs,

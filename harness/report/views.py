@@ -16,7 +16,7 @@ import pandas as pd
 
 from harness.analysis.diff import DiffResult
 from harness.analysis.matrix import outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import OUTCOMES, REFERENCE_SIDE
+from harness.outcomes import NOT_THE_MODELS, OUTCOMES
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_bars, svg_histogram, svg_outcome_bar
@@ -99,7 +99,7 @@ def summary_view(
     counts = outcome_counts(df)
     total = sum(counts.values())
     # Load/reference failures say nothing about the target, so the target pass rate leaves them out.
-    not_ref = total - sum(counts[o] for o in REFERENCE_SIDE)
+    not_ref = total - sum(counts[o] for o in NOT_THE_MODELS)
     return {
         "counts": counts,
         "total": total,
@@ -158,7 +158,8 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 # ----------------------------------------------------------------------------------------------
 
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
-_FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "exit_code", "signal")
+_FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
+           "signal")
 _NUMBERS = ("rmse_ratio", "max_abs_err", "max_rel_err", "min_cosine")
 _TIMINGS = (
     ("load (s)", "load_time_s"),
@@ -213,7 +214,8 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
     return {
         "config": r["config"],
         "outcome": r["outcome"],
-        "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")],
+        "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")]
+        + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else []),
         "drift_module": _text(r.get("first_drift_module")),
         "drift_module_type": _text(r.get("first_drift_module_type")),
         "numbers": [
@@ -258,6 +260,13 @@ def history_view(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _fallback_text(ops: Any) -> str:
+    """'aten::sort x3, aten::cumsum x1' for a row's CPU-fallback counts ('' when none or unknown)."""
+    if not isinstance(ops, dict) or not ops:
+        return ""
+    return ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> dict[str, Any]:
     """Compact JSON for the matrix page: one entry per model, one outcome per config column."""
     grouped: dict[str, dict[str, dict[str, Any]]] = {}
@@ -279,6 +288,8 @@ def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> 
                 "task": _text(first.get("task")),
                 "modality": _text(first.get("modality")),
                 "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
+                # ops that ran on the CPU instead of the target, per column: "" for a native result
+                "fallback": [_fallback_text(by_cfg[c].get("fallback_ops")) if c in by_cfg else "" for c in configs],
                 "rmse_ratio": _json_num(max(ratios)) if ratios else None,
                 "op": ", ".join(ops),
                 "error": ", ".join(errs),
@@ -315,7 +326,7 @@ def diff_view(res: DiffResult, hrefs: dict[str, str]) -> dict[str, Any]:
         ("Fixes", "fix", res.fixes),
         ("Other outcome changes", "", other),
         ("Drift grew among passing models (not gating)", "", res.drift_warnings),
-        ("Reference / load changes (not target regressions)", "", res.ref_changes),
+        ("Reference / load / device changes (not target regressions)", "", res.ref_changes),
         ("Flaky", "", res.flaky),
         ("Known-flaky allowlist (not counted)", "", res.allowlisted),
         ("Added", "", res.added),

@@ -40,6 +40,7 @@ class Measurement:
     outcome: str
     device: str = ""
     unsupported_op: str = ""
+    unsupported_dtype: str = ""  # when the backend's message names one ("supports float32 only, got Long")
     error_type: str = ""
     error_message: str = ""
     traceback: str = ""
@@ -52,6 +53,9 @@ class Measurement:
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model
+    fallback_ops: dict = field(default_factory=dict)  # op -> calls that ran on the CPU instead of the target
+    native_ops: list = field(default_factory=list)  # ops the target ran itself (when its backend reports them)
+    op_census: bool = False  # whether the backend reported fallback/native ops at all
     exit_code: int | None = None
     signal: int | None = None
     load_time_s: float | None = None

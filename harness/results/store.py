@@ -306,8 +306,14 @@ class ResultStore:
         self._upsert(RESULTS, [encode(row, RESULTS.types)])
 
     def finished_ids(self, run_id: str) -> set[str]:
-        """Model ids that already have a row in ``run_id`` (any outcome): what a resumed run skips."""
-        return {r["model_id"] for r in self._query("SELECT model_id FROM results WHERE run_id=?", (run_id,))}
+        """Model ids with a final row in ``run_id``: what a resumed run skips. A device-side outcome is
+        not the model's result (its device failed), so such models run again."""
+        side = sorted(outcomes.DEVICE_SIDE)
+        rows = self._query(
+            f"SELECT model_id FROM results WHERE run_id=? AND outcome NOT IN ({', '.join('?' * len(side))})",
+            (run_id, *side),
+        )
+        return {r["model_id"] for r in rows}
 
     def record_collective(self, row: CollectiveRow) -> None:
         """Upsert one collective benchmark row; committed when this returns."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from harness.backends import Adapter, adapter_for
+from harness.backends.base import OpCensus
 from harness.models.inputs import make_inputs
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
@@ -27,8 +28,6 @@ from harness.run.compare import Tolerance, compare_outputs, identical
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PeakRss
 
-_MISSING_KERNEL = re.compile(r"Could not run '([\w:.]+)' with arguments from the '(\w+)' backend")
-_FLEX = re.compile(r"FlexAttention is only supported on|flex_attention", re.IGNORECASE)
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
 
@@ -52,28 +51,25 @@ def _trim_traceback(exc: BaseException) -> str:
     return "\n".join(text)
 
 
-def parse_unsupported_op(exc: BaseException) -> str | None:
-    """The missing op named by a backend's error, or 'flex_attention'; None if not a coverage gap."""
-    msg = str(exc)
-    m = _MISSING_KERNEL.search(msg)
-    if m and isinstance(exc, NotImplementedError | RuntimeError):
-        return m.group(1)
-    if _FLEX.search(msg) and ("only supported" in msg or "not supported" in msg.lower()):
-        return "flex_attention"
-    return None
+def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage: str = "target") -> dict[str, Any]:
+    """Measurement fields for an exception raised in `stage` (load, reference or target).
 
-
-def classify_exception(exc: BaseException, adapter: Adapter | None = None) -> dict[str, Any]:
-    """Measurement fields for a target-side exception."""
+    A device fault wins over the stage (seeding every device is part of loading a model): the device
+    is to blame, not the model. Elsewhere a missing op, then memory, then a crash."""
     base = {
         "error_type": type(exc).__name__,
         "error_message": str(exc)[:2000],
         "traceback": _trim_traceback(exc),
-        "device_fault": adapter is not None and adapter.is_device_fault(exc),
     }
-    op = parse_unsupported_op(exc)
-    if op is not None:
-        return {"outcome": "unsupported_op", "unsupported_op": op, **base}
+    if adapter is not None and adapter.is_device_fault(exc):
+        return {"outcome": "device_error", "device_fault": True, **base}
+    if stage == "load":
+        return {"outcome": "load_fail", **base}
+    if stage == "reference":
+        return {"outcome": "ref_fail", **base}
+    missing = adapter.parse_missing_op(exc) if adapter is not None else None
+    if missing is not None:
+        return {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
     if isinstance(exc, MemoryError) or _OOM.search(str(exc)):
         return {"outcome": "oom", **base}
     return {"outcome": "crash", **base}
@@ -120,25 +116,27 @@ def run_one(task: Task) -> Measurement:
 
 def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, Any]) -> dict[str, Any]:
     attn = task.settings.get("attn")
+    device = task.target
+    adapter = adapter_for(device)
     t0 = time.perf_counter()
     try:
         loaded = load_model(entry, seed=task.seed, attn_implementation=attn)
         model = loaded.model
         inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
     except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
-        return {**classify_exception(e), "outcome": "load_fail"}
+        return classify_exception(e, adapter, "load")
     timings["load_time_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     try:
         ref = _forward(model, inputs)
     except Exception as e:
-        return {**classify_exception(e), "outcome": "ref_fail"}
+        return classify_exception(e, adapter, "reference")
     timings["ref_time_s"] = time.perf_counter() - t0
     try:
         ref2 = _forward(model, inputs)
     except Exception as e:
-        return {**classify_exception(e), "outcome": "ref_fail"}
+        return classify_exception(e, adapter, "reference")
     if not identical(ref, ref2):
         return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"}
 
@@ -149,21 +147,22 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
     except Exception:
         oracle, oracle_model = None, None  # fp64 unsupported by this model: fall back to cosine/allclose
 
-    device = task.target
-    adapter = adapter_for(device)
-    target_inputs = _to(inputs, device)
+    census = OpCensus()
     try:
-        with adapter.apply(task.settings):
+        adapter.seed(task.seed)
+        target_inputs = _to(inputs, device)
+        with adapter.apply(task.settings), adapter.census() as census:
             tmodel = copy.deepcopy(model).to(device)
             _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
             t0 = time.perf_counter()
             tout = _forward(tmodel, target_inputs)
             timings["target_time_s"] = time.perf_counter() - t0
     except Exception as e:
-        return classify_exception(e, adapter)
+        return {**classify_exception(e, adapter), **_census_fields(census)}
 
     verdict = compare_outputs(ref, tout, oracle, tol)
     result: dict[str, Any] = {
+        **_census_fields(census),
         "metrics": {c.name: c.to_dict() for c in verdict.checks},
         **verdict.summary(),
         "outcome": "pass" if verdict.ok else "drift",
@@ -188,6 +187,12 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
                 result["first_drift_module"] = site.module
                 result["first_drift_module_type"] = site.module_type
     return result
+
+
+def _census_fields(census: OpCensus) -> dict[str, Any]:
+    if census.fallback is None and census.native is None:
+        return {}
+    return {"op_census": True, "fallback_ops": census.fallback or {}, "native_ops": census.native or []}
 
 
 def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, settings):

@@ -9,6 +9,8 @@ The rules, each a function here so it is unit-testable with made-up devices and 
 - a device collects a *strike* for every device fault the backend reports and for every model that
   failed on it but ran cleanly elsewhere; at `quarantine_after` strikes it is *quarantined*: it leaves
   the active set and a hot spare, if one is held back, takes its place (`settle`, `strike`);
+- a device fault is never the model's result: the model goes to another healthy device (outside the
+  retry budget); with none left its `device_error` row waits for a resume (`Settled.pending`);
 - a model that failed and then passed elsewhere is `flaky`, unless every device it failed on has been
   quarantined: then its clean result stands, also when the quarantine comes later (`Quarantined.relabel`).
 """
@@ -32,6 +34,7 @@ class Job:
     id: str
     attempts: list[Attempt] = field(default_factory=list)
     avoid: set[str] = field(default_factory=set)  # devices it should not go back to
+    faulted: set[str] = field(default_factory=set)  # devices that had a device fault running it: never again
     last: Measurement | None = None  # its clean result after earlier failures (for relabelling)
 
 
@@ -64,6 +67,7 @@ class Settled:
 
     retry: bool = False
     outcome: str = ""
+    pending: bool = False  # recorded, but not the model's result: run it again on resume
     quarantined: list[Quarantined] = field(default_factory=list)
 
 
@@ -101,6 +105,8 @@ def pick_job(fleet: Fleet, device: str, queue: Iterable[Job], worker_devices: It
     cordoned = bool(fleet.probation.get(device))
     everywhere = {d for d in worker_devices if d in fleet.active}
     for job in queue:
+        if device in job.faulted:
+            continue  # it met a device fault here
         if cordoned and not job.attempts:
             continue  # a cordoned device takes retries only
         if device in job.avoid and not everywhere <= job.avoid:
@@ -162,12 +168,20 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
     if m.device_fault:
         fleet.faults_seen += 1
         hit(device)
-    failed_before = [a for a in job.attempts[:-1] if a.outcome != "interrupted"]
+        job.faulted.add(device)
+        job.avoid.add(device)
+        if any(d not in job.faulted for d in fleet.active):
+            out.retry = True
+        else:
+            out.outcome, out.pending = m.outcome, True
+            release(fleet, job)
+        return out
+    # Device faults were the device's, not failures of the model: they make nothing flaky.
+    failed_before = [a for a in job.attempts[:-1] if a.outcome != "interrupted" and not a.device_fault]
     if failed_before and not suspicious(m):
         # It ran cleanly here after failing elsewhere: those failures were the devices' (or flakes).
         for a in failed_before:
-            if not a.device_fault:  # device faults were struck when they happened
-                hit(a.device)
+            hit(a.device)
         job.last = m
         if m.outcome != "pass" or all(a.device in fleet.quarantined for a in failed_before):
             out.outcome = m.outcome
@@ -177,7 +191,7 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
                 fleet.flaky_on.setdefault(a.device, []).append(job)
         release(fleet, job)
         return out
-    retries_used = sum(1 for a in job.attempts if a.outcome != "interrupted") - 1
+    retries_used = sum(1 for a in job.attempts if a.outcome != "interrupted" and not a.device_fault) - 1
     if suspicious(m) and retries_used < fleet.retries and fleet.active:
         job.avoid.add(device)
         fleet.probation.setdefault(device, set()).add(job.id)

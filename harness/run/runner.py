@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness.backends import adapter_for
+from harness.backends import load_backends, resolve_target
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
@@ -44,6 +44,7 @@ class RunConfig:
     seed: int = 0
     localize: bool = True
     devices: list[str] | None = None  # default: every device of the target's type
+    backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     progress: bool = True
 
 
@@ -59,6 +60,7 @@ class RunSummary:
     faults_seen: int
     spares_used: list[str] = field(default_factory=list)
     unfinished: int = 0
+    with_fallback: dict[str, int] = field(default_factory=dict)  # outcome -> rows that used CPU fallback
 
     @property
     def rows_written(self) -> int:
@@ -115,6 +117,11 @@ class _Run:
         self.cfg: RunConfig = config
         self.store: ResultStore = store
         settings = dict(config.settings)
+        # Everything that can be wrong with the target is found before a run row is written.
+        load_backends(config.backends)
+        adapter, found = resolve_target(config.target)
+        devices = list(config.devices or found)
+        active, spares = policy.split_devices(devices, config.spare)
         run_id = store.latest_run(list_name=list_name, target=config.target, settings=settings, unfinished_only=True)
         done: set[str] = set()
         if resume and run_id is not None:
@@ -127,21 +134,20 @@ class _Run:
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
-        adapter = adapter_for(config.target)
-        devices = list(config.devices or adapter.devices(config.target))
-        active, spares = policy.split_devices(devices, config.spare)
         self.fleet = policy.Fleet(active, spares, quarantine_after=config.quarantine_after, retries=config.retries)
         self.counts: Counter[str] = Counter()
+        self.with_fallback: Counter[str] = Counter()
         threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
         worker_env = adapter.worker_env(settings)
         self.pool = Pool(
             context([*PRELOAD, "harness.run.worker"]),
             worker_main,
             # the forkserver's environment is from whenever it started; workers get today's
-            lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}),
+            lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
             timeout_s=config.timeout_s,
         )
         self.startup_failures = 0
+        self.pending = 0  # rows recorded as device_error: re-run on resume
         self.assigning = False
         self.t_start = time.monotonic()
         self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
@@ -177,6 +183,8 @@ class _Run:
     def _finish(self, job: policy.Job, m: Measurement, outcome: str) -> None:
         self._write(job, m, outcome)
         self.counts[outcome] += 1
+        if m.fallback_ops:
+            self.with_fallback[outcome] += 1
         self.progress.update(1)
         self.progress.set_postfix_str(" ".join(f"{k}={v}" for k, v in sorted(self.counts.items()) if v),
                                       refresh=False)
@@ -212,6 +220,8 @@ class _Run:
             self.queue.appendleft(job)
         else:
             self._finish(job, m, verdict.outcome)
+            if verdict.pending:
+                self.pending += 1
         for q in verdict.quarantined:
             self._quarantine(q)
 
@@ -273,7 +283,7 @@ class _Run:
         finally:
             self.pool.close()
             self.progress.close()
-        unfinished = len(self.queue)
+        unfinished = len(self.queue) + self.pending
         if unfinished == 0:
             self.store.finish_run(self.run_id)
         return RunSummary(
@@ -287,4 +297,5 @@ class _Run:
             faults_seen=self.fleet.faults_seen,
             spares_used=list(self.fleet.spares_used),
             unfinished=unfinished,
+            with_fallback=dict(self.with_fallback),
         )

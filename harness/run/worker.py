@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import adapter_for
+from harness.backends import adapter_for, load_backends
 from harness.results.rows import Measurement
 from harness.run.memory import cap_address_space
 from harness.run.pipeline import Task, classify_exception, run_one
@@ -39,7 +39,9 @@ def run_task(payload: dict[str, Any], device: str) -> Measurement:
         return Measurement(model_id=model_id, device=device, **{**classify_exception(e), "outcome": "crash"})
 
 
-def worker_main(conn: Any, device: str, threads: int, mem_cap_mb: int | None, env: dict[str, str]) -> None:
+def worker_main(
+    conn: Any, device: str, threads: int, mem_cap_mb: int | None, env: dict[str, str], backends: list[str]
+) -> None:
     """Child-process entry point (started by the pool from the forkserver)."""
     os.environ.clear()
     os.environ.update(env)
@@ -52,6 +54,9 @@ def worker_main(conn: Any, device: str, threads: int, mem_cap_mb: int | None, en
         transformers.utils.logging.set_verbosity_error()  # config warnings would drown the progress bar
     except Exception:
         pass
+    # The forkserver imported torch with backend autoload off; load the target's backend here, after
+    # this worker has its own environment, as the supervisor did: entry points, then --backend modules.
+    load_backends(backends, entry_points=True)
     adapter_for(device).load()
     cap_address_space(mem_cap_mb)
     serve(conn, lambda payload: run_task(payload, device))

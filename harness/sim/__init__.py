@@ -17,6 +17,9 @@ op set     PORTHARNESS_SIM_OPS          set_op_profile / op_profile()         yo
                                                                               or a profile file
 faults     PORTHARNESS_SIM_FAULTS       set_faults / clear_faults / faults()  nan, garbage, error,
                                                                               hang, crash per device
+fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             off (default), cpu: ops
+                                        fallback_counts()                     outside the profile run
+                                                                              on the host, counted
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
 
@@ -46,6 +49,7 @@ import importlib
 
 import torch
 
+from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
 from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
 from .precision import get_precision, precision, set_precision
@@ -58,7 +62,10 @@ __all__ = [
     "active_faults",
     "clear_faults",
     "device_count",
+    "fallback",
+    "fallback_counts",
     "faults",
+    "get_fallback",
     "get_op_profile",
     "get_precision",
     "injected_counts",
@@ -66,6 +73,8 @@ __all__ = [
     "op_profile",
     "precision",
     "profile_names",
+    "reset_fallback_counts",
+    "set_fallback",
     "set_faults",
     "set_op_profile",
     "set_precision",
@@ -126,7 +135,7 @@ def device_count() -> int:
 
 def settings() -> dict[str, str]:
     """The switches in force, for recording next to results."""
-    return {"precision": get_precision(), "ops": get_op_profile().name}
+    return {"precision": get_precision(), "ops": get_op_profile().name, "fallback": get_fallback()}
 
 
 _register()

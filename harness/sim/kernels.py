@@ -130,8 +130,7 @@ def _fast_composite(op: torch._ops.OpOverload, host: object):
     def kernel(*args):
         tensors = [x for x in args if x is not None]
         if (
-            _tensor._trace is not None
-            or _faults._active
+            _faults._active
             or (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
             or any(type(x) is not SimTensor for x in tensors)
             or len({x._idx for x in tensors}) != 1
@@ -143,7 +142,9 @@ def _fast_composite(op: torch._ops.OpOverload, host: object):
         if needed is None:
             return decompose(key, args)
         if not all(profile.allows(f) for f in needed):
-            return composite(*args)  # raises the error the backend would
+            return composite(*args)  # raises the error the backend would (or falls back op by op)
+        if _tensor._trace is not None:
+            _tensor._trace |= needed
         inner = [None if x is None else x._inner for x in args]
         if _precision._mode != "highest":
             reduce(inner, (0, 1), args)

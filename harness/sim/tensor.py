@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map as pytree_map
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
 _facts = importlib.import_module(".facts", __package__)
+_fallback = importlib.import_module(".fallback", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
 
@@ -312,7 +313,9 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
         if facts is None:
             facts = _facts.facts_for(func)
         if not facts.allowed:
-            raise _opset.unsupported_error(func)
+            if _fallback._mode != "cpu":
+                raise _opset.unsupported_error(func)
+            _fallback.count(func)
 
         # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
         idx = -1

@@ -125,8 +125,10 @@
       td.appendChild(a);
     } else if (col.type === "outcome") {
       var s = document.createElement("span");
-      s.className = "chip o-" + (v || "none");
-      s.textContent = v || "-";
+      var fb = (r.fallback || [])[col.index];
+      s.className = "chip o-" + (v || "none") + (fb ? " fallback" : "");
+      s.textContent = (v || "-") + (fb ? " +cpu" : "");
+      if (fb) { s.title = "ran with CPU fallback: " + fb; }
       td.appendChild(s);
     } else if (col.type === "num") {
       td.className = "num";
