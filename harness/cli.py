@@ -37,6 +37,9 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault", default=None,
                    help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)")
     p.add_argument("--no-localize", action="store_true", help="skip the per-module drift localization")
+    p.add_argument("--declared-precision", default=None, metavar="CONTRACT",
+                   help="numerics contract the target declares: fp32 (default for other backends), tf32, bf16-matmul, "
+                        "fp16-matmul; sim declares bf16-matmul at --precision default, fp32 at highest")
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     _backend_option(p)
@@ -149,7 +152,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     load_backends(modules)
     adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault", "fallback"):
+    for key in ("ops", "attn", "fault", "fallback", "declared_precision"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     settings = adapter.check_settings(options)

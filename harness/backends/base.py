@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.backends import errors
+from harness.backends.contracts import contract
 
 # --precision values every backend accepts: torch's float32 matmul precision knob
 MATMUL_PRECISIONS = ("default", "highest", "high", "medium")
@@ -83,15 +84,27 @@ class Adapter:
     def check_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """Validated settings to record with each row; ValueError names the bad value and the choices."""
         out = dict(settings)
+        if "declared_precision" in out:
+            contract(out["declared_precision"])  # ValueError naming the known contracts
+            implied = self.declared_precision({k: v for k, v in out.items() if k != "declared_precision"})
+            if out["declared_precision"] == implied:
+                del out["declared_precision"]  # what the backend declares anyway: one spelling per run identity
         precision = out.setdefault("precision", "default")
         if precision not in self.precisions:
             raise ValueError(
                 f"--precision {precision!r}: {self.kind} supports {', '.join(self.precisions)}"
             )
         for key in out:
-            if key not in ("precision", "attn", *self.options):
+            if key not in ("precision", "attn", "declared_precision", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         return out
+
+    def declared_precision(self, settings: dict[str, Any]) -> str:
+        """The numerics contract the target declares under `settings` (`harness.backends.contracts`).
+
+        What the user says (``--declared-precision``), fp32 when they say nothing: a generic backend
+        cannot tell us what its matmuls do."""
+        return settings.get("declared_precision", "fp32")
 
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         """Environment a worker needs for `settings` (switches a backend reads when it loads)."""

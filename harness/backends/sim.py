@@ -13,17 +13,6 @@ from typing import Any
 
 from harness.backends.base import Adapter, OpCensus
 
-AUTOLOAD_ENV = "PORTHARNESS_SIM_AUTOLOAD"
-
-
-def autoload() -> None:
-    """`torch.backends` entry point, run inside `import torch`: loads sim only when opted in.
-
-    Only one backend can own PrivateUse1 per process; claiming it in every process that imports torch
-    would break any other PrivateUse1 backend installed beside portharness."""
-    if os.environ.get(AUTOLOAD_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        import harness.sim  # noqa: F401
-
 
 class SimAdapter(Adapter):
     options = ("ops", "fault", "fallback")
@@ -53,6 +42,12 @@ class SimAdapter(Adapter):
 
             parse_fault_spec(out["fault"])  # a bad spec fails here, before any worker starts
         return out
+
+    def declared_precision(self, settings: dict[str, Any]) -> str:
+        # sim declares what its precision switch does: default = bf16 matmul operands, fp32 accumulate
+        if "declared_precision" in settings:
+            return settings["declared_precision"]
+        return "fp32" if settings.get("precision", "default") == "highest" else "bf16-matmul"
 
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         # faults are read when sim loads in the worker, so they travel as its environment

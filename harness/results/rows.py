@@ -49,7 +49,9 @@ class Measurement:
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     min_cosine: float | None = None
-    rmse_ratio: float | None = None
+    rmse_ratio: float | None = None  # worst output's error / the fp32 envelope (> 1: outside it)
+    declared_ratio: float | None = None  # ... / the declared-precision envelope (> 1: drift)
+    contract: str = ""  # the numerics contract the target declared (fp32, bf16-matmul, ...)
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model
@@ -60,6 +62,7 @@ class Measurement:
     signal: int | None = None
     load_time_s: float | None = None
     ref_time_s: float | None = None
+    expected_time_s: float | None = None  # the contract-emulating CPU reference
     target_time_s: float | None = None
     wall_time_s: float | None = None
     peak_rss_mb: float | None = None

@@ -19,6 +19,7 @@ import torch
 
 from harness.backends import Adapter, adapter_for
 from harness.backends.base import OpCensus
+from harness.backends.contracts import Emulate, contract
 from harness.models.inputs import make_inputs
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
@@ -147,6 +148,17 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
     except Exception:
         oracle, oracle_model = None, None  # fp64 unsupported by this model: fall back to cosine/allclose
 
+    declared = contract(adapter.declared_precision(task.settings))
+    expected = None
+    if not declared.exact:
+        t0 = time.perf_counter()
+        try:
+            with Emulate(declared):
+                expected = _forward(model, inputs)
+        except Exception:
+            expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone
+        timings["expected_time_s"] = time.perf_counter() - t0
+
     census = OpCensus()
     try:
         adapter.seed(task.seed)
@@ -160,14 +172,15 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
     except Exception as e:
         return {**classify_exception(e, adapter), **_census_fields(census)}
 
-    verdict = compare_outputs(ref, tout, oracle, tol)
+    verdict = compare_outputs(ref, tout, oracle, tol, expected)
     result: dict[str, Any] = {
         **_census_fields(census),
         "metrics": {c.name: c.to_dict() for c in verdict.checks},
         **verdict.summary(),
-        "outcome": "pass" if verdict.ok else "drift",
+        "contract": declared.name,
+        "outcome": verdict.outcome,
     }
-    if verdict.ok:
+    if verdict.outcome != "drift":
         return result
     worst = verdict.worst
     result["error_message"] = (
