@@ -40,6 +40,11 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--declared-precision", default=None, metavar="CONTRACT",
                    help="numerics contract the target declares: fp32 (default for other backends), tf32, bf16-matmul, "
                         "fp16-matmul; sim declares bf16-matmul at --precision default, fp32 at highest")
+    p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
+                   help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
+                        "grad-scale; comma-separated) to see the verdict catch them")
+    p.add_argument("--no-op-check", dest="op_check", action="store_false",
+                   help="skip the kernel-conformance check (each op judged on its own inputs against the CPU)")
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     _backend_option(p)
@@ -152,9 +157,11 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     load_backends(modules)
     adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault", "fallback", "declared_precision"):
+    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if not args.op_check:
+        options["op_check"] = False  # a different rule judged the run: part of its identity
     settings = adapter.check_settings(options)
     return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
                      mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
@@ -168,6 +175,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     config = _run_config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
     entry = find_entry(args.model)
+    if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it
+        config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
     with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
         db = args.db or os.path.join(tmp, "check.db")
         summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
@@ -182,7 +191,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.console import outcome_table
+    from harness.console import headline_line, outcome_table
     from harness.models.model_list import load_model_list
     from harness.run.runner import run_models, shard
 
@@ -206,6 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     done = summary.rows_written
     print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
           + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
+    print(headline_line(summary.counts))
     print(outcome_table(summary.counts, done))
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())))
@@ -228,13 +238,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
-    from harness.console import outcome_line, print_frame
+    from harness.console import headline_line, outcome_line, print_frame
     from harness.outcomes import OUTCOMES
 
     rid, df = mx.load_results(args.db, args.run)
     counts = mx.outcome_counts(df)
     total = sum(counts.values())
-    print(f"run {rid}: {total} result(s), pass rate {counts['pass'] / total if total else 0.0:.1%}")
+    print(f"run {rid}: {total} result(s); {headline_line(counts).strip()}")
     print(outcome_line(counts))
     mat = mx.matrix(df)
     print_frame("matrix", mat)

@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from harness.outcomes import OUTCOMES
+from harness.outcomes import OUTCOMES, headline
 
 _VERDICT_FIELDS = [
     ("outcome", None),
@@ -22,8 +22,12 @@ _VERDICT_FIELDS = [
     ("unsupported op", None),
     ("cpu fallback", None),
     ("error", None),
+    ("first drifting op", None),
+    ("repro", "repro_path"),
     ("first drifting module", None),
+    ("contract", "contract"),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
+    ("declared ratio (<=1 ok)", "declared_ratio"),
     ("max abs err", "max_abs_err"),
     ("max rel err", "max_rel_err"),
     ("min cosine", "min_cosine"),
@@ -54,6 +58,12 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
         if not row.get("op_census"):
             return None
         return ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())) if ops else "none (every op ran natively)"
+    if label == "first drifting op":
+        op = row.get("first_drift_op")
+        if not op:
+            return None
+        inputs = ", ".join(row.get("first_drift_op_inputs") or [])
+        return f"{op} in {row.get('first_drift_op_module') or '(top)'} ({inputs})"
     if label == "first drifting module":
         m = row.get("first_drift_module")
         return f"{m} ({row.get('first_drift_module_type', '')})" if m else None
@@ -112,6 +122,14 @@ def print_frame(title: str, df: pd.DataFrame) -> None:
     for rec in frame.itertuples(index=False):
         table.add_row(*("" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v) for v in rec))
     console.print(table)
+
+
+def headline_line(counts: dict[str, int]) -> str:
+    """'ran 76.2% (1098/1441) | numerics matched 100.0% (1098/1098)': the two figures TorchTPU publishes."""
+    h = headline(counts)
+    ran = f"{h['ran_pct']:.1f}%" if h["ran_pct"] is not None else "-"
+    matched = f"{h['matched_pct']:.1f}%" if h["matched_pct"] is not None else "-"
+    return f"  ran {ran} ({h['ran']}/{h['tested']}) | numerics matched {matched} ({h['matched']}/{h['ran']})"
 
 
 def outcome_line(counts: dict[str, int]) -> str:

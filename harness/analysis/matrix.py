@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.outcomes import NOT_THE_MODELS, OUTCOMES
+from harness.outcomes import MATCHED, NOT_THE_MODELS, OUTCOMES, RAN
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -107,7 +107,8 @@ def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
     df = latest_per_key(df)
     keys = ["config", by] if df["config"].nunique() > 1 else [by]
     if df.empty:
-        return pd.DataFrame(columns=[*keys, "n", "pass", "pass_rate", "target_pass_rate", *OUTCOMES])
+        return pd.DataFrame(columns=[*keys, "n", "pass", "pass_rate", "target_pass_rate", "ran_rate", "matched_rate",
+                                     *OUTCOMES])
     df = df.assign(**{by: df[by].fillna("").replace("", UNKNOWN)})
     counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=list(OUTCOMES), fill_value=0)
     counts.columns.name = None
@@ -116,6 +117,9 @@ def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
     out = pd.DataFrame({"n": n, "pass": counts["pass"]})
     out["pass_rate"] = (counts["pass"] / n).round(4)
     out["target_pass_rate"] = (counts["pass"] / not_ref.where(not_ref > 0)).round(4)
+    ran = counts[sorted(RAN)].sum(axis=1)
+    out["ran_rate"] = (ran / not_ref.where(not_ref > 0)).round(4)  # TorchTPU's "ran"
+    out["matched_rate"] = (counts[sorted(MATCHED)].sum(axis=1) / ran.where(ran > 0)).round(4)  # "matched numerics"
     out = pd.concat([out, counts.drop(columns=["pass"])], axis=1).reset_index()
     return out.sort_values(["n", *keys], ascending=[False, *([True] * len(keys))], kind="stable").reset_index(
         drop=True

@@ -95,7 +95,7 @@ class Adapter:
                 f"--precision {precision!r}: {self.kind} supports {', '.join(self.precisions)}"
             )
         for key in out:
-            if key not in ("precision", "attn", "declared_precision", *self.options):
+            if key not in ("precision", "attn", "declared_precision", "op_check", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         return out
 
@@ -105,6 +105,11 @@ class Adapter:
         What the user says (``--declared-precision``), fp32 when they say nothing: a generic backend
         cannot tell us what its matmuls do."""
         return settings.get("declared_precision", "fp32")
+
+    def repro_setup(self, settings: dict[str, Any]) -> list[str]:
+        """Python lines a standalone repro runs after importing torch and the backend, to apply `settings`."""
+        precision = settings.get("precision", "default")
+        return [f"torch.set_float32_matmul_precision({precision!r})"] if precision != "default" else []
 
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         """Environment a worker needs for `settings` (switches a backend reads when it loads)."""

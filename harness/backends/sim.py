@@ -15,7 +15,7 @@ from harness.backends.base import Adapter, OpCensus
 
 
 class SimAdapter(Adapter):
-    options = ("ops", "fault", "fallback")
+    options = ("ops", "fault", "fallback", "numerics")
     more_devices_hint = "; set PORTHARNESS_SIM_DEVICES to simulate more"
     precisions = ("default", "highest")
 
@@ -37,6 +37,12 @@ class SimAdapter(Adapter):
             raise ValueError(f"--ops {ops!r}: expected one of {', '.join(profile_names())} or a profile file")
         if out.get("fallback", "off") not in ("off", "cpu"):
             raise ValueError(f"--fallback {out['fallback']!r}: sim supports off or cpu")
+        if "numerics" in out:
+            from harness.sim.numerics import KINDS
+
+            bad = [k for k in out["numerics"].split(",") if k not in KINDS]
+            if bad:
+                raise ValueError(f"--numerics-bug {','.join(bad)}: sim's planted bugs are {', '.join(KINDS)}")
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
@@ -61,8 +67,19 @@ class SimAdapter(Adapter):
             sim.precision(settings.get("precision", "default")),
             sim.op_profile(settings.get("ops", "young")),
             sim.fallback(settings.get("fallback", "off")),
+            sim.numerics_bugs(*[k for k in settings.get("numerics", "").split(",") if k]),
         ):
             yield
+
+    def repro_setup(self, settings: dict[str, Any]) -> list[str]:
+        bugs = [k for k in settings.get("numerics", "").split(",") if k]
+        return [
+            "import harness.sim as sim  # the backend",
+            f"sim.set_precision({settings.get('precision', 'default')!r})",
+            f"sim.set_op_profile({settings.get('ops', 'young')!r})",
+            f"sim.set_fallback({settings.get('fallback', 'off')!r})",
+            f"sim.set_numerics_bugs(*{bugs!r})",
+        ]
 
     def seed(self, seed: int) -> None:
         self.load()

@@ -94,7 +94,8 @@ def _decade_ticks(
 
 
 def svg_histogram(
-    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260
+    values: Iterable[float], *, bin_width: float = 0.25, width: int = 720, height: int = 260,
+    xlabel: str = "rmse(fp64, target) / allowed bound (log scale)",
 ) -> Markup:
     """Histogram of log10(rmse_ratio); bars right of 0 (ratio > 1, i.e. drift) are highlighted."""
     logs = [math.log10(v) for v in values if v is not None and math.isfinite(v) and v > 0]
@@ -143,7 +144,7 @@ def svg_histogram(
         )
     parts.append(
         f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
-        "rmse(fp64, target) / allowed bound (log scale)</text>"
+        f"{html.escape(xlabel)}</text>"
     )
     parts.append("</svg>")
     return Markup("".join(parts))

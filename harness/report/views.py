@@ -16,7 +16,7 @@ import pandas as pd
 
 from harness.analysis.diff import DiffResult
 from harness.analysis.matrix import outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import NOT_THE_MODELS, OUTCOMES
+from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_bars, svg_histogram, svg_outcome_bar
@@ -105,6 +105,7 @@ def summary_view(
         "total": total,
         "n_models": len(df["model_id"].unique()) if not df.empty else 0,
         "pass_rate": (counts["pass"] / total) if total else None,
+        "headline": headline(counts),
         "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
         "outcome_bar": svg_outcome_bar(counts),
         "row_versions": {
@@ -121,22 +122,31 @@ def summary_view(
     }
 
 
+def _envelope(df: pd.DataFrame, column: str, label: str) -> dict[str, Any]:
+    ratios = [x for x in (as_number(v) for v in df[column]) if x is not None] if column in df and not df.empty else []
+    return {
+        "label": label,
+        "svg": svg_histogram(ratios, xlabel=f"rmse(fp64, target) / {label} bound (log scale)"),
+        "n_ratios": len(ratios),
+        "n_zero": sum(1 for v in ratios if v == 0),
+        "n_inf": sum(1 for v in ratios if math.isinf(v)),
+        "n_over": sum(1 for v in ratios if v > 1),
+    }
+
+
 def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) -> dict[str, Any]:
-    """The drift page: histogram of every rmse_ratio and the ``n_worst`` largest ones."""
-    ratios = [x for x in (as_number(v) for v in df["rmse_ratio"]) if x is not None] if not df.empty else []
+    """The drift page: both envelopes' histograms (fp32, declared precision) and the worst results."""
+    key = "declared_ratio" if "declared_ratio" in df and df["declared_ratio"].notna().any() else "rmse_ratio"
     worst = (
-        df.assign(_r=[as_number(v) if as_number(v) is not None else -1 for v in df["rmse_ratio"]])
+        df.assign(_r=[as_number(v) if as_number(v) is not None else -1 for v in df[key]])
         .sort_values("_r", ascending=False)
         .head(n_worst)
         if not df.empty
         else df
     )
     return {
-        "svg": svg_histogram(ratios),
-        "n_ratios": len(ratios),
-        "n_zero": sum(1 for v in ratios if v == 0),
-        "n_inf": sum(1 for v in ratios if math.isinf(v)),
-        "n_over": sum(1 for v in ratios if v > 1),
+        "envelopes": [_envelope(df, "rmse_ratio", "fp32 envelope"),
+                      _envelope(df, "declared_ratio", "declared-precision envelope")],
         "worst": [
             {
                 "model": r["model_id"],
@@ -144,11 +154,14 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
                 "config": r["config"],
                 "outcome": r["outcome"],
                 "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "module": _text(r.get("first_drift_module")),
+                "declared_ratio": fmt(r.get("declared_ratio")),
+                "contract": _text(r.get("contract")),
+                "op": _text(r.get("first_drift_op")),
+                "module": _text(r.get("first_drift_module")) or _text(r.get("first_drift_op_module")),
                 "module_type": _text(r.get("first_drift_module_type")),
             }
             for r in records(worst)
-            if as_number(r.get("rmse_ratio")) is not None
+            if as_number(r.get(key)) is not None or _text(r.get("first_drift_op"))
         ],
     }
 

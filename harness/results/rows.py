@@ -46,6 +46,12 @@ class Measurement:
     traceback: str = ""
     first_drift_module: str = ""
     first_drift_module_type: str = ""
+    first_drift_op: str = ""  # the first ATen op whose own result is beyond the declared precision
+    first_drift_op_module: str = ""  # ... the module it ran in
+    first_drift_op_inputs: list = field(default_factory=list)  # ... its tensor inputs, "float32[2, 16, 64]"
+    first_drift_op_ratio: float | None = None
+    ops_checked: int | None = None  # ops the kernel-conformance check judged (None: not run)
+    repro_path: str = ""  # standalone repro script of the first diverging op
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     min_cosine: float | None = None

@@ -73,23 +73,28 @@ def first_drift(
     target: list[ModuleOutput],
     oracle: list[ModuleOutput] | None,
     tol: Tolerance | None = None,
+    expected: list[ModuleOutput] | None = None,
 ) -> DriftSite | None:
-    """The first target module output (completion order) that fails the comparison rule."""
+    """The first target module output (completion order) beyond the declared envelope (the fp32 one
+    when there is no `expected` reference of a reduced-precision contract)."""
     tol = tol or Tolerance()
     ref_by = {(r.qualname, r.call): r for r in ref}
     oracle_by = {(o.qualname, o.call): o for o in oracle} if oracle else {}
+    expected_by = {(e.qualname, e.call): e for e in expected} if expected else {}
     for rec in target:
         key = (rec.qualname, rec.call)
         r = ref_by.get(key)
         if r is None:
             continue
         o = oracle_by.get(key)
+        e = expected_by.get(key)
         for name, t in rec.tensors.items():
             rt = r.tensors.get(name)
             if rt is None:
                 continue
             ot = o.tensors.get(name) if o is not None else None
-            c = check_tensor(name, rt, t, ot, tol)
-            if not c.ok:
+            et = e.tensors.get(name) if e is not None else None
+            c = check_tensor(name, rt, t, ot, tol, et)
+            if not c.ok_declared:
                 return DriftSite(rec.qualname, rec.type_name, name, c.rmse_ratio, c.max_abs)
     return None

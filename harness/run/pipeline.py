@@ -8,6 +8,7 @@ die. Which device faults count against the device is the backend adapter's call.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 import time
@@ -28,6 +29,8 @@ from harness.results.rows import Measurement
 from harness.run.compare import Tolerance, compare_outputs, identical
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PeakRss
+from harness.run.opcheck import OpJudge
+from harness.run.repro import describe, repro_preamble, write_repro
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
@@ -42,6 +45,8 @@ class Task:
     settings: dict[str, Any] = field(default_factory=dict)  # precision, ops, attn
     seed: int = 0
     localize: bool = True
+    repro_dir: str = ""  # where the first diverging op's standalone repro goes ("" = none)
+    backends: list[str] = field(default_factory=list)  # modules the repro imports to get the backend
 
 
 def _trim_traceback(exc: BaseException) -> str:
@@ -160,12 +165,17 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
         timings["expected_time_s"] = time.perf_counter() - t0
 
     census = OpCensus()
+    judge = OpJudge(torch.device(device).type, declared) if task.settings.get("op_check", True) else None
     try:
         adapter.seed(task.seed)
         target_inputs = _to(inputs, device)
         with adapter.apply(task.settings), adapter.census() as census:
             tmodel = copy.deepcopy(model).to(device)
-            _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
+            if judge is not None:
+                judge.name_modules(tmodel)
+            # warm-up (first-call costs stay out of the timing), with every kernel judged on its own inputs
+            with judge if judge is not None else contextlib.nullcontext():
+                _forward(tmodel, target_inputs)
             t0 = time.perf_counter()
             tout = _forward(tmodel, target_inputs)
             timings["target_time_s"] = time.perf_counter() - t0
@@ -179,20 +189,36 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
         **verdict.summary(),
         "contract": declared.name,
         "outcome": verdict.outcome,
+        "ops_checked": judge.checked if judge is not None else None,
     }
-    if verdict.outcome != "drift":
+    kernel = judge.failure if judge is not None else None
+    if verdict.outcome != "drift" and kernel is None:
         return result
-    worst = verdict.worst
-    result["error_message"] = (
-        f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, max abs {worst.max_abs}"
-        + (" (non-finite values on target)" if verdict.nonfinite else "")
-        if worst
-        else "outputs differ"
-    )
+    result["outcome"] = "drift"
     result["nonfinite"] = verdict.nonfinite
+    worst = verdict.worst
+    messages = []
+    if kernel is not None:
+        result.update(describe(kernel))
+        messages.append(
+            f"kernel {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])}) is "
+            f"beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
+            + (f"; {kernel.note}" if kernel.note else "")
+        )
+        if task.repro_dir:
+            result["repro_path"] = str(_repro(kernel, declared, adapter, task, entry.id))
+    if verdict.outcome == "drift" and worst is not None:
+        messages.append(
+            f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, declared ratio "
+            f"{worst.declared_ratio}, max abs {worst.max_abs}" + (" (non-finite values on target)" if verdict.nonfinite else "")
+        )
+    elif verdict.outcome != "drift":
+        messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
+    result["error_message"] = "; ".join(messages)
     if task.localize:
         try:
-            site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings)
+            site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings,
+                             None if declared.exact else declared)
         except Exception as e:  # localization is diagnostics: never lose the verdict over it
             result["error_message"] += f"; localization failed: {type(e).__name__}: {e}"
         else:
@@ -202,17 +228,29 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
     return result
 
 
+def _repro(kernel, declared, adapter, task: Task, model_id: str):
+    from pathlib import Path
+
+    preamble = repro_preamble(task.backends, adapter.repro_setup(task.settings))
+    return write_repro(kernel, contract=declared, target=task.target, preamble=preamble, model_id=model_id,
+                       directory=Path(task.repro_dir))
+
+
 def _census_fields(census: OpCensus) -> dict[str, Any]:
     if census.fallback is None and census.native is None:
         return {}
     return {"op_census": True, "fallback_ops": census.fallback or {}, "native_ops": census.native or []}
 
 
-def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, settings):
+def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, settings, declared):
     ref_rec = capture(model, lambda: model(**inputs))
     oracle_rec = (
         capture(oracle_model, lambda: oracle_model(**_to(inputs, "cpu", torch.float64))) if oracle_model else None
     )
+    expected_rec = None
+    if declared is not None:
+        with Emulate(declared):
+            expected_rec = capture(model, lambda: model(**inputs))
     with adapter.apply(settings):  # the target's settings only around the target (they may be global)
         tgt_rec = capture(tmodel, lambda: tmodel(**target_inputs))
-    return first_drift(ref_rec, tgt_rec, oracle_rec, tol)
+    return first_drift(ref_rec, tgt_rec, oracle_rec, tol, expected_rec)

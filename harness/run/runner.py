@@ -45,6 +45,7 @@ class RunConfig:
     localize: bool = True
     devices: list[str] | None = None  # default: every device of the target's type
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
+    repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
     progress: bool = True
 
 
@@ -131,6 +132,7 @@ class _Run:
                 RunInfo(list_name=list_name, target=config.target, settings=settings, shard=shard_spec, argv=argv)
             )
         self.run_id = run_id
+        self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
@@ -248,7 +250,8 @@ class _Run:
 
     def _send(self, w: Worker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.key, settings=dict(self.cfg.settings),
-                    seed=self.cfg.seed, localize=self.cfg.localize)
+                    seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
+                    backends=list(self.cfg.backends))
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

@@ -17,6 +17,10 @@ op set     PORTHARNESS_SIM_OPS          set_op_profile / op_profile()         yo
                                                                               or a profile file
 faults     PORTHARNESS_SIM_FAULTS       set_faults / clear_faults / faults()  nan, garbage, error,
                                                                               hang, crash per device
+numerics   PORTHARNESS_SIM_NUMERICS     set_numerics_bugs / numerics_bugs()   planted quiet kernel bugs:
+                                                                              bf16-accumulate, softmax-
+                                                                              no-max, approx-exp, gelu-
+                                                                              mixup, grad-scale
 fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             off (default), cpu: ops
                                         fallback_counts()                     outside the profile run
                                                                               on the host, counted
@@ -51,6 +55,7 @@ import torch
 
 from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
 from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
 from .precision import get_precision, precision, set_precision
 
@@ -66,16 +71,21 @@ __all__ = [
     "fallback_counts",
     "faults",
     "get_fallback",
+    "get_numerics_bugs",
     "get_op_profile",
     "get_precision",
     "injected_counts",
     "is_registered",
+    "numerics_bugs",
+    "numerics_hits",
     "op_profile",
     "precision",
     "profile_names",
     "reset_fallback_counts",
+    "reset_numerics_hits",
     "set_fallback",
     "set_faults",
+    "set_numerics_bugs",
     "set_op_profile",
     "set_precision",
     "settings",
@@ -135,7 +145,8 @@ def device_count() -> int:
 
 def settings() -> dict[str, str]:
     """The switches in force, for recording next to results."""
-    return {"precision": get_precision(), "ops": get_op_profile().name, "fallback": get_fallback()}
+    return {"precision": get_precision(), "ops": get_op_profile().name, "fallback": get_fallback(),
+            "numerics": ",".join(get_numerics_bugs())}
 
 
 _register()

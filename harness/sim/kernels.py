@@ -13,8 +13,9 @@ half of all sim dispatches in a transformer. Without autograd, tracing or faults
 every op of the decomposition in the profile (learned by running the decomposition once per
 operand layout), sim runs the whole composite once on the host tensors. The CPU decomposes it the
 same way, so results are bit-identical (at ``default`` the multiplier operands are bf16-rounded
-first, which commutes with the views). Otherwise the composite is decomposed exactly as before, so
-errors, traces and fault draws do not change.
+first, which commutes with the views). Otherwise (autograd, faults, a Python dispatch mode above sim)
+the composite is decomposed exactly as before, so errors, traces, fault draws and recorders see
+every op.
 
 Scaled dot-product attention is special: it is a composite op whose backend choice (fused flash
 kernel vs the unfused math path) is made in C++ from the device type, and for an unknown
@@ -29,6 +30,7 @@ import functools
 import importlib
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .facts import register_host_impl
 from .tensor import SimTensor, to_sim
@@ -131,6 +133,7 @@ def _fast_composite(op: torch._ops.OpOverload, host: object):
         tensors = [x for x in args if x is not None]
         if (
             _faults._active
+            or _dispatch_mode() is not None  # a mode above sim (a recorder, a judge) must see every op
             or (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
             or any(type(x) is not SimTensor for x in tensors)
             or len({x._idx for x in tensors}) != 1

@@ -1,0 +1,220 @@
+"""Kernel conformance: every op the target runs, judged on its own inputs against the CPU.
+
+Model outputs can hide a wrong kernel (random tiny models keep activations small, normalisation layers
+rescale errors away) and they cannot say *which* op is wrong. So during one target forward a dispatch
+mode snapshots each op's inputs, lets the target run the op, and replays it on the CPU twice: under the
+declared contract (*expected*) and in fp64 (*oracle*). The op passes when
+
+    rmse(oracle, target) <= m * rmse(oracle, expected) + ULPS * eps(dtype) * rms(oracle)
+
+-- the outputs' rule, with a floor relative to the op's own magnitude instead of the absolute tol/10,
+because ops see every magnitude. The first op that fails is where the drift enters: its name, module
+path, input shapes and dtypes, and its inputs (for a standalone repro). Views, copies and factories are
+exact by construction and skipped; integer results are not judged (ties may legitimately differ).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from harness.backends.contracts import Contract, Emulate
+
+ULPS = 4
+_SKIP_NAMES = frozenset(
+    {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "detach", "alias", "lift_fresh",
+     "empty", "empty_like", "empty_strided", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
+     "new_ones", "new_full", "_local_scalar_dense", "set_", "resize_", "contiguous"}
+)
+
+
+def _skip(func: torch._ops.OpOverload) -> bool:
+    schema = func._schema
+    if schema.name.removeprefix("aten::") in _SKIP_NAMES or not schema.name.startswith("aten::"):
+        return True
+    if any(a.name == "generator" for a in schema.arguments):
+        return True  # random: nothing to replay
+    # views return an alias of an input (no '!' write): exact by construction
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.sqrt(torch.mean(torch.square(a.double() - b.double()))).item()
+
+
+def _multiplier(t: torch.Tensor) -> float:
+    return 3.0 if t.dtype in (torch.float16, torch.bfloat16) or t.numel() < 1000 else 2.0
+
+
+@dataclass
+class OpFailure:
+    """The first op whose own result is beyond the declared precision."""
+
+    op: str
+    module: str
+    inputs: list[str]  # "float32[2, 16, 64]" per tensor argument, in order
+    output: str
+    ratio: float | None
+    max_abs: float | None
+    note: str
+    args: Any = field(default=None, repr=False)  # CPU snapshot of (args, kwargs), for the repro
+    func: Any = field(default=None, repr=False)
+
+
+def judge_output(target: torch.Tensor, expected: torch.Tensor, oracle: torch.Tensor | None) -> tuple[bool, float | None, str]:
+    """(ok, ratio, note) for one float output of one op; all CPU tensors."""
+    if target.shape != expected.shape:
+        return False, None, f"shape {list(target.shape)} vs expected {list(expected.shape)}"
+    t, e = target.double(), expected.double()
+    fin_t, fin_e = torch.isfinite(t), torch.isfinite(e)
+    if not torch.equal(fin_t, fin_e):
+        return False, math.inf, "non-finite values where the CPU has none (or the reverse)"
+    if not bool(fin_e.any()):
+        return True, 0.0, ""
+    t, e = t[fin_e], e[fin_e]
+    eps = torch.finfo(target.dtype).eps
+    if oracle is not None and oracle.shape == target.shape:
+        o = oracle.double()[fin_e]
+        if bool(torch.isfinite(o).all()):
+            bound = _multiplier(target) * _rmse(o, e) + ULPS * eps * o.square().mean().sqrt().item()
+            err = _rmse(o, t)
+            return err <= bound, (err / bound if bound > 0 else (0.0 if err == 0 else math.inf)), ""
+    bound = ULPS * eps * e.square().mean().sqrt().item()  # no oracle: as close to the CPU as a few ulps
+    err = _rmse(e, t)
+    return err <= bound, (err / bound if bound > 0 else (0.0 if err == 0 else math.inf)), "no fp64 replay"
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """A CPU copy through the one op every backend has (inside a dispatch mode, `Tensor.to` is not
+    decomposed before it reaches the backend)."""
+    return torch.ops.aten._to_copy.default(x, device=torch.device("cpu"))
+
+
+def _describe(x: Any) -> str:
+    return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+
+
+class OpJudge(TorchDispatchMode):
+    """While active, judge every op on a `device_type` tensor; `failure` is the first that fails."""
+
+    def __init__(self, device_type: str, contract: Contract, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.contract = contract
+        self.failure: OpFailure | None = None
+        self.checked = 0
+        self.worst = 0.0
+        self._names: dict[int, str] = {}
+        if model is not None:
+            self.name_modules(model)
+        self._stack: list[str] = []
+        self._hooks: list[Any] = []
+
+    def name_modules(self, model: torch.nn.Module) -> None:
+        """Report failures by this model's qualified module names."""
+        self._names = {id(m): n for n, m in model.named_modules()}
+
+    # -- where are we: a module stack kept by global forward hooks ------------------------------
+
+    def __enter__(self) -> OpJudge:
+        def pre(module: torch.nn.Module, _args: Any) -> None:
+            self._stack.append(self._names.get(id(module), type(module).__name__))
+
+        def post(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+            if self._stack:
+                self._stack.pop()
+
+        self._hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
+
+    def _module(self) -> str:
+        return next((n for n in reversed(self._stack) if n), "")
+
+    # -- the judge ---------------------------------------------------------------------------
+
+    def _on_target(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.device.type == self.device_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.failure is not None or _skip(func):
+            return func(*args, **kwargs)
+        leaves, _ = tree_flatten((args, kwargs))
+        if not any(self._on_target(x) for x in leaves):
+            return func(*args, **kwargs)
+        snap = tree_map(lambda x: _host(x) if self._on_target(x) else x, (args, kwargs))
+        out = func(*args, **kwargs)
+        self._judge(func, snap, out)
+        return out
+
+    def _replay(self, func, snap: Any, dtype: torch.dtype | None) -> Any:
+        args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, snap)
+        if dtype is not None:
+            args, kwargs = tree_map(
+                lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs)
+            )
+            return func(*args, **kwargs)
+        with Emulate(self.contract):
+            return func(*args, **kwargs)
+
+    def _judge(self, func, snap: Any, out: Any) -> None:
+        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        if not any(x.is_floating_point() for x in outs):
+            return
+        prev = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # the replay is the reference: no TF32 on the host
+        try:
+            expected = [x for x in tree_flatten(self._replay(func, snap, None))[0] if isinstance(x, torch.Tensor)]
+            try:
+                oracle = [x for x in tree_flatten(self._replay(func, snap, torch.float64))[0]
+                          if isinstance(x, torch.Tensor)]
+            except Exception:
+                oracle = None
+        except Exception:
+            return  # the CPU cannot replay it (a backend-only op): nothing to judge against
+        finally:
+            torch.set_float32_matmul_precision(prev)
+        self.checked += 1
+        for i, (t, e) in enumerate(zip(outs, expected, strict=False)):
+            if not t.is_floating_point() or not e.is_floating_point():
+                continue
+            o = oracle[i] if oracle is not None and i < len(oracle) else None
+            host = _host(t)
+            ok, ratio, note = judge_output(host, e, o)
+            if ratio is not None and math.isfinite(ratio):
+                self.worst = max(self.worst, ratio)
+            if not ok:
+                self.failure = OpFailure(
+                    op=_op_name(func), module=self._module(),
+                    inputs=[_describe(x) for x in tree_flatten(snap)[0] if isinstance(x, torch.Tensor)],
+                    output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
+                )
+                return
+
+
+def _max_abs(t: torch.Tensor, e: torch.Tensor) -> float | None:
+    try:
+        d = (t.double() - e.double()).abs()
+        d = d[torch.isfinite(d)]
+        return d.max().item() if d.numel() else None
+    except RuntimeError:
+        return None
+
+
+def _op_name(func: torch._ops.OpOverload) -> str:
+    ov = func._overloadname
+    return func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"

@@ -1,0 +1,208 @@
+"""Planted numeric bugs: quiet, deterministic kernel errors of the kinds young backends ship.
+
+Not a NaN storm: each bug changes one op family's results by about what a real kernel bug does
+(1e-3 relative, or a precision shortcut), so only a verdict that knows what the backend's declared
+precision explains can tell it from rounding. Each bug is scoped to its ops; a model that never calls
+them is bit-for-bit unaffected.
+
+======================= ==================================================================== ============
+kind                    what the kernel does wrong                                           ops
+======================= ==================================================================== ============
+``bf16-accumulate``     a reduction accumulates in bf16 (pairwise, each partial sum rounded) sum, mean
+``softmax-no-max``      softmax in bf16 without subtracting the row max first               _softmax
+``approx-exp``          exp and rsqrt from an approximation with ~1e-3 relative error        exp, rsqrt
+``gelu-mixup``          GELU computed with the tanh formula where erf was asked (and back)   gelu
+``grad-scale``          LayerNorm's backward kernel scales its input gradient by 1+1e-3     native_layer_norm_backward
+======================= ==================================================================== ============
+
+Switch: env ``PORTHARNESS_SIM_NUMERICS`` (comma-separated kinds), `set_numerics_bugs()`, or the
+`numerics_bugs()` context manager. `numerics_hits()` counts, per op, the calls where the planted bug
+changed the result beyond fp32 rounding (4 ulp of its magnitude): a model whose sums are all over
+integers, or whose GELU inputs are all tiny, calls the op without exercising the bug.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+NUMERICS_ENV = "PORTHARNESS_SIM_NUMERICS"
+aten = torch.ops.aten
+
+
+def _tree_sum_bf16(x: torch.Tensor, dims: list[int] | None, keepdim: bool) -> torch.Tensor:
+    """Sum over `dims` with a bf16 accumulator: pairwise, every partial sum rounded to bf16."""
+    nd = x.dim()
+    dims = sorted({d % nd for d in dims}) if dims else list(range(nd))
+    keep = [d for d in range(nd) if d not in dims]
+    y = x.permute(*keep, *dims).reshape(*[x.shape[d] for d in keep], -1).to(torch.bfloat16)
+    while y.shape[-1] > 1:
+        if y.shape[-1] % 2:
+            y = torch.cat([y, torch.zeros_like(y[..., :1])], dim=-1)
+        y = (y[..., 0::2].float() + y[..., 1::2].float()).to(torch.bfloat16)
+    out = y[..., 0].float()
+    if keepdim:
+        for d in dims:
+            out = out.unsqueeze(d)
+    return out
+
+
+def _reduced(x: torch.Tensor, dims) -> int:
+    return math.prod(x.shape[d] for d in dims) if dims else x.numel()
+
+
+def _sum(self, dim=None, keepdim=False, *, dtype=None):
+    if self.dtype is not torch.float32 or dtype not in (None, torch.float32) or self.numel() == 0:
+        return aten.sum.dim_IntList(self, dim, keepdim, dtype=dtype)
+    return _tree_sum_bf16(self, list(dim) if dim else None, keepdim)
+
+
+def _sum_all(self, *, dtype=None):
+    return _sum(self, None, False, dtype=dtype)
+
+
+def _mean(self, dim=None, keepdim=False, *, dtype=None):
+    if self.dtype is not torch.float32 or dtype not in (None, torch.float32) or self.numel() == 0:
+        return aten.mean.dim(self, dim, keepdim, dtype=dtype)
+    n = _reduced(self, list(dim) if dim else None)
+    return (_tree_sum_bf16(self, list(dim) if dim else None, keepdim) / n).to(torch.bfloat16).float()
+
+
+def _mean_all(self, *, dtype=None):
+    return _mean(self, None, False, dtype=dtype)
+
+
+def _softmax(self, dim, half_to_float):
+    if self.dtype is not torch.float32:
+        return aten._softmax.default(self, dim, half_to_float)
+    e = torch.exp(self.to(torch.bfloat16))  # no max subtraction, bf16 throughout
+    return (e / e.sum(dim, keepdim=True)).float()
+
+
+def _wobble(x: torch.Tensor, k: float, phase: float) -> torch.Tensor:
+    """1 + 1e-3 * cos(k x + phase): a deterministic ~1e-3 relative error, as a cheap approximation has."""
+    return 1.0 + 1e-3 * torch.cos(x * k + phase)
+
+
+def _exp(self):
+    return torch.exp(self) * _wobble(self, 3.7, 1.3) if self.is_floating_point() else torch.exp(self)
+
+
+def _rsqrt(self):
+    return torch.rsqrt(self) * _wobble(self, 7.3, 0.5) if self.is_floating_point() else torch.rsqrt(self)
+
+
+def _gelu(self, *, approximate="none"):
+    return aten.gelu.default(self, approximate="tanh" if approximate == "none" else "none")
+
+
+def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    grads = aten.native_layer_norm_backward.default(
+        grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+    )
+    return (grads[0] * (1 + 1e-3) if grads[0] is not None else None, grads[1], grads[2])
+
+
+BUGS: dict[str, dict[torch._ops.OpOverload, Callable]] = {
+    "bf16-accumulate": {
+        aten.sum.dim_IntList: _sum,
+        aten.sum.default: _sum_all,
+        aten.mean.dim: _mean,
+        aten.mean.default: _mean_all,
+    },
+    "softmax-no-max": {aten._softmax.default: _softmax},
+    "approx-exp": {aten.exp.default: _exp, aten.rsqrt.default: _rsqrt},
+    "gelu-mixup": {aten.gelu.default: _gelu},
+    "grad-scale": {aten.native_layer_norm_backward.default: _layer_norm_backward},
+}
+KINDS = tuple(BUGS)
+
+
+def _validate(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    bad = [k for k in kinds if k not in BUGS]
+    if bad:
+        raise ValueError(f"unknown sim numerics bug(s) {', '.join(bad)}; expected some of {', '.join(KINDS)}")
+    return kinds
+
+
+def _parse(spec: str) -> tuple[str, ...]:
+    return _validate(tuple(k.strip() for k in spec.split(",") if k.strip()))
+
+
+_active: tuple[str, ...] = _parse(os.environ.get(NUMERICS_ENV, ""))
+_listeners: list[Callable[[], None]] = []  # the dispatcher drops its cached per-op facts on a change
+
+
+_hits: dict[str, int] = {}
+
+
+def _changed(bugged: object, right: object) -> bool:
+    """Beyond fp32 rounding: rms(bugged - right) > 4 ulp of rms(right)."""
+    pairs = list(zip(bugged, right, strict=False)) if isinstance(bugged, (tuple, list)) else [(bugged, right)]
+    for b, r in pairs:
+        if isinstance(b, torch.Tensor) and b.is_floating_point() and b.numel() and b.shape == r.shape:
+            fin = torch.isfinite(r) & torch.isfinite(b)
+            if not torch.equal(torch.isfinite(r), torch.isfinite(b)):
+                return True
+            d, rr = (b.double() - r.double())[fin], r.double()[fin]
+            if d.numel() and d.square().mean().sqrt() > 4 * torch.finfo(r.dtype).eps * rr.square().mean().sqrt():
+                return True
+    return False
+
+
+def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
+    ov = func._overloadname
+    name = func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"
+
+    def run(*args, **kwargs):
+        out = impl(*args, **kwargs)
+        if _changed(out, func(*args, **kwargs)):  # the correct kernel, for the record only
+            _hits[name] = _hits.get(name, 0) + 1
+        return out
+
+    return run
+
+
+def impl_for(func: torch._ops.OpOverload) -> Callable | None:
+    """The buggy host implementation of `func` under the active bugs, if any."""
+    for kind in _active:
+        impl = BUGS[kind].get(func)
+        if impl is not None:
+            return _counted(func, impl)
+    return None
+
+
+def numerics_hits() -> dict[str, int]:
+    """Calls per op whose result the planted bugs changed beyond fp32 rounding, since the last reset."""
+    return dict(_hits)
+
+
+def reset_numerics_hits() -> None:
+    _hits.clear()
+
+
+def get_numerics_bugs() -> tuple[str, ...]:
+    return _active
+
+
+def set_numerics_bugs(*kinds: str) -> None:
+    """Plant these bugs (none: every kernel correct again)."""
+    global _active
+    _active = _validate(tuple(kinds))
+    for notify in _listeners:
+        notify()
+
+
+@contextmanager
+def numerics_bugs(*kinds: str) -> Iterator[None]:
+    """Run the block with these bugs planted."""
+    prev = _active
+    set_numerics_bugs(*kinds)
+    try:
+        yield
+    finally:
+        set_numerics_bugs(*prev)

@@ -1,0 +1,113 @@
+"""How well the verdict catches sim's planted numeric bugs: detection and localization rates per bug kind.
+
+For a model list (default: smoke) and sim settings (default: sim's default precision and young op
+profile), one clean run gives every model's outcome; then, per bug kind, each model's target forward
+is run once in this process with the bug planted to learn whether the bug changed any result beyond
+fp32 rounding (sim's `numerics_hits`: an op called only on integers, or on values where the bug is a
+no-op, does not exercise it), and one run per kind measures, among the models the bug exercises, the
+share that became `drift` and the share of those whose first diverging op is one of the bug's ops --
+and checks that every model the bug does not touch has exactly the clean run's outcome and errors.
+Not a timed test; run by hand:
+
+    python scripts/numerics_bugs.py [--list smoke] [--precision default] [--ops young] [--jobs 2] [--db out.db]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.models.model_list import load_model_list
+from harness.results.store import ResultStore
+from harness.run.runner import RunConfig, run_models
+from harness.sim.numerics import BUGS
+
+
+def _ops(kind: str) -> set[str]:
+    names = set()
+    for func in BUGS[kind]:
+        ov = func._overloadname
+        names.add(func._schema.name if ov == "default" else f"{func._schema.name}.{ov}")
+    return names
+
+
+def _exercised(entries, settings: dict, kind: str) -> set[str]:
+    """Models whose target forward the planted bug changes (beyond fp32 rounding), run in this process."""
+    import copy
+
+    import torch
+
+    import harness.sim as sim
+    from harness.backends import adapter_for
+    from harness.models.inputs import make_inputs
+    from harness.models.load import load_model
+
+    adapter, hit = adapter_for("sim"), set()
+    for e in entries:
+        try:
+            loaded = load_model(e, seed=0)
+            inputs = make_inputs(loaded.model, loaded.config, e, seed=0)
+            model = copy.deepcopy(loaded.model).to("sim")
+            sim.reset_numerics_hits()
+            with torch.no_grad(), adapter.apply({**settings, "numerics": kind}):
+                model(**{k: v.to("sim") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        except Exception:  # a model the target cannot run at all is not a user of anything
+            continue
+        finally:
+            if sim.numerics_hits():
+                hit.add(e.id)
+    return hit
+
+
+def _same(a: object, b: object) -> bool:
+    return a == b or (a != a and b != b)  # NaN (no value) equals NaN
+
+
+def _run(entries, settings: dict, db: Path, list_name: str, jobs: int) -> dict[str, dict]:
+    summary = run_models(entries, RunConfig(settings=settings, jobs=jobs, timeout_s=600, progress=False), db,
+                         list_name=list_name)
+    with ResultStore(db) as store:
+        return {r["model_id"]: r for r in store.results(summary.run_id).to_dict("records")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", default="smoke")
+    p.add_argument("--precision", default="default")
+    p.add_argument("--ops", default="young")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--kinds", default="bf16-accumulate,softmax-no-max,approx-exp,gelu-mixup")
+    p.add_argument("--db", default=None, help="keep the runs in this DB (default: a temp file)")
+    args = p.parse_args(argv)
+    entries = load_model_list(args.list)
+    db = Path(args.db) if args.db else Path(tempfile.mkdtemp(prefix="numerics-bugs-")) / "runs.db"
+    base_settings = {"precision": args.precision, "ops": args.ops}
+    clean = _run(entries, base_settings, db, args.list, args.jobs)
+    print(f"{args.list} on sim {base_settings}: {len(clean)} models -> {db}")
+    print(f"{'bug':<17} {'exercised':>9} {'drift':>13} {'localized':>13} {'untouched unchanged':>20}")
+    for kind in [k.strip() for k in args.kinds.split(",") if k.strip()]:
+        ops = _ops(kind)
+        users = _exercised(entries, base_settings, kind)
+        bugged = _run(entries, {**base_settings, "numerics": kind}, db, args.list, args.jobs)
+        ran_users = [m for m in users if clean[m]["outcome"] in ("pass", "pass_declared", "drift")]
+        drift = [m for m in ran_users if bugged[m]["outcome"] == "drift"]
+        localized = [m for m in drift if bugged[m].get("first_drift_op") in ops]
+        others = [m for m in clean if m not in users]
+        same = [m for m in others if bugged[m]["outcome"] == clean[m]["outcome"]
+                and _same(bugged[m].get("max_abs_err"), clean[m].get("max_abs_err"))]
+        pct = lambda a, b: f"{len(a)}/{len(b)} {100 * len(a) / len(b):5.1f}%" if b else "-"  # noqa: E731
+        print(f"{kind:<17} {len(ran_users):>9} {pct(drift, ran_users):>13} {pct(localized, drift):>13} "
+              f"{pct(same, others):>20}")
+        missed = sorted(set(ran_users) - set(drift))
+        if missed:
+            print(f"  not caught: {', '.join(missed)}")
+        wrong = sorted(set(drift) - set(localized))
+        if wrong:
+            print("  localized elsewhere: " + ", ".join(f"{m} -> {bugged[m].get('first_drift_op') or '-'}" for m in wrong))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
