@@ -1,6 +1,6 @@
 """`portharness` command line: every option is defined here, once; each command calls a stage's API.
 
-One exit-code policy for all commands: 0 = success (for `check`: the model passed), 1 = the check,
+One exit-code policy for all commands: 0 = success (for `check`: the model passed, within fp32 or the declared precision), 1 = the check,
 diff or run found a problem, 2 = bad input (one line on stderr, nothing written), 130 = Ctrl-C.
 """
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", help="run one model on reference and target; exit 0 only on pass")
+    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared")
     p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
     _target_options(p)
     p.add_argument("--json", action="store_true", help="print the full result row as JSON")
@@ -170,6 +170,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
 def cmd_check(args: argparse.Namespace) -> int:
     from harness.console import clean_row, verdict_lines
     from harness.models.model_list import find_entry
+    from harness.outcomes import PASSING
     from harness.results.store import ResultStore
     from harness.run.runner import run_models
 
@@ -187,7 +188,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print(f"portharness check {entry.id} on {args.target}")
         print("\n".join(verdict_lines(row)))
-    return 0 if row["outcome"] == "pass" else 1
+    return 0 if row["outcome"] in PASSING else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -27,12 +27,20 @@ def test_bert_passes_at_highest_precision() -> None:
     assert row["max_abs_err"] == 0.0  # highest is bit-exact against the CPU reference
 
 
-def test_bert_drifts_at_default_precision_and_names_the_first_module() -> None:
+def test_bert_at_default_precision_is_within_what_sim_declares() -> None:
     code, row, _ = check("tiny/bert/base", "--precision", "default")
-    assert code == 1
-    assert row["outcome"] == "drift"
+    assert code == 0  # pass_declared counts as matched
+    assert row["outcome"] == "pass_declared" and row["contract"] == "bf16-matmul"
     assert 0 < row["max_abs_err"] < 0.05  # measurable, but small: bf16-rounded matmul inputs
+    assert row["rmse_ratio"] > 1 >= row["declared_ratio"]
+
+
+def test_declaring_fp32_on_bf16_hardware_is_drift_and_names_the_first_module() -> None:
+    code, row, _ = check("tiny/bert/base", "--precision", "default", "--declared-precision", "fp32")
+    assert code == 1
+    assert row["outcome"] == "drift" and row["settings"]["declared_precision"] == "fp32"
     assert row["first_drift_module_type"] == "Linear"
+    assert row["first_drift_op"] in ("aten::addmm", "aten::mm", "aten::bmm")  # the matmul's own result
 
 
 def test_missing_op_is_reported_by_name(tmp_path: Path) -> None:
