@@ -41,3 +41,172 @@ def test_sim_slow_fault_keeps_the_device_busy() -> None:
     assert torch.equal(x.cpu(), torch.full((64,), 6.0))  # slow, not wrong
     parsed = sim_faults.parse_fault_spec("sim:1=slow:1.0@slow_s=0.002")
     assert parsed[1].slow_s == 0.002 and parsed[1].probabilities == {"slow": 1.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenarios and configuration (no processes)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_parse_scenarios() -> None:
+    from harness.bench.faults import FaultSpec, parse_scenario, parse_scenarios
+
+    assert parse_scenario("hang") == FaultSpec("hang")
+    assert parse_scenario(" Slow:2.5 ") == FaultSpec("slow", 2.5)
+    assert parse_scenario("slow").name == "slow:3" and parse_scenario("flap").name == "flap:3"
+    assert [s.name for s in parse_scenarios("all")] == ["hang", "slow:3", "nan", "die", "flap:3"]
+    assert [s.name for s in parse_scenarios("nan, none ,nan,slow:4")] == ["nan", "none", "slow:4"]
+    assert parse_scenario("die").recoverable and not parse_scenario("nan").recoverable
+    for bad, msg in [
+        ("crash", "unknown fault scenario 'crash'"),
+        ("slow:1", "bad slowdown factor"),
+        ("slow:x", "bad slowdown factor"),
+        ("flap:-2", "bad slowdown factor"),
+        ("hang:3", "takes no value"),
+        ("", "no fault scenarios"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_scenarios(bad)
+
+
+@pytest.mark.parametrize(
+    ("changes", "msg"),
+    [
+        ({"target": "tpu"}, "unknown target"),
+        ({"world_size": 1}, "world size"),
+        ({"fault_rank": 2}, "fault rank 2 is not a rank"),
+        ({"fault_step": 1}, "fault step must be from 2"),
+        ({"fault_step": 19}, "fault step must be from 2"),
+        ({"steps": 3}, "steps must be >= 4"),
+        ({"spare": 9}, "spare must be"),
+        ({"timeout_s": 0.0}, "timeout must be"),
+        ({"scenarios": ["slow:0.5"]}, "bad slowdown factor"),
+        ({"settings": ["per-host:3"]}, "does not divide world size"),
+        ({"straggler_excess": 0.0}, "straggler excess"),
+    ],
+)
+def test_fault_config_validation(changes: dict, msg: str) -> None:
+    from harness.bench.faults import FaultConfig
+
+    with pytest.raises(ValueError, match=msg):
+        FaultConfig(**changes).validate()
+
+
+def test_fault_config_derived_timeouts() -> None:
+    from harness.bench.faults import FaultConfig
+
+    cfg = FaultConfig(timeout_s=10)
+    cfg.validate()
+    assert (cfg.collective_timeout_s, cfg.stall_s) == (5.0, 2.0)
+    assert cfg.excess == 0.5 and FaultConfig(target="cuda").excess == 0.10  # shared host cores vs own GPU
+    assert FaultConfig(straggler_excess=0.2).excess == 0.2
+
+
+def test_injector_sizes_slowdown_from_healthy_steps() -> None:
+    """slow:F adds (F-1) x the rank's own healthy median; flap only on its seeded half of the steps."""
+    from harness.bench.faults import Injector, flap_step, parse_scenario
+
+    fired: list[int] = []
+    inj = Injector(parse_scenario("slow:3"), bad=True, mode="harness", fault_step=4, on_fire=fired.append)
+    for step, t in enumerate([0.5, 0.010, 0.012, 0.011]):  # step 0 (warm-up) is not a baseline
+        inj.observe(step, t)
+    assert inj.extra_s(3) == 0.0 and inj.extra_s(4) == pytest.approx(2 * 0.011)
+    inj.at_collective(4, None)  # works 22 ms, says so first
+    assert fired == [4] and inj.injected_at is not None
+    healthy = Injector(parse_scenario("slow:3"), bad=False, mode="harness", fault_step=4)
+    healthy.observe(1, 0.01)
+    assert healthy.extra_s(10) == 0.0
+    flap = Injector(parse_scenario("flap:3"), bad=True, mode="harness", fault_step=2)
+    flap.observe(1, 0.01)
+    slow_steps = [s for s in range(2, 40) if flap.extra_s(s) > 0]
+    assert slow_steps == [s for s in range(2, 40) if flap_step(0, s)] and 10 < len(slow_steps) < 28
+    none = Injector(parse_scenario("none"), bad=True, mode="harness", fault_step=2)
+    none.at_collective(5, None)
+    assert none.injected_at is None
+
+
+def test_injector_nan_fills_the_bucket_once() -> None:
+    from harness.bench.faults import Injector, parse_scenario
+
+    inj = Injector(parse_scenario("nan"), bad=True, mode="harness", fault_step=3)
+    buf = torch.ones(4)
+    inj.at_collective(2, buf)
+    assert torch.isfinite(buf).all()
+    inj.at_collective(3, buf)
+    assert torch.isnan(buf).all()
+    buf = torch.ones(4)
+    inj.at_collective(4, buf)
+    assert torch.isfinite(buf).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# The watchdog's statistics (pure functions, no processes)
+# ----------------------------------------------------------------------------------------------
+
+
+def _healthy_steps(n_ranks: int, n_steps: int, seed: int, base: float = 0.010, noise: float = 0.04) -> dict:
+    """Per-rank compute times of a healthy job on dedicated devices: the same work, +-4% jitter."""
+    import random
+
+    rng = random.Random(seed)
+    return {r: {s: base * (1 + rng.uniform(-noise, noise)) for s in range(n_steps)} for r in range(n_ranks)}
+
+
+def _flags_over_steps(compute: dict, n_steps: int, excess: float = 0.10) -> list[tuple[int, int]]:
+    from harness.bench.watchdog import STRAGGLER_MIN_STEPS, straggler_flags, window_samples
+
+    out = []
+    for step in range(2, n_steps):
+        samples = window_samples(compute, step, skip={0, 1})
+        if min(len(x) for x in samples.values()) >= STRAGGLER_MIN_STEPS:
+            out += [(step, r) for r in sorted(straggler_flags(samples, excess=excess))]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_straggler_rule_no_false_flags_over_20_healthy_steps(world: int) -> None:
+    """Megatron's rule (> 1 std and > 10% above the mean) never fires on a healthy 20-step job."""
+    for seed in range(25):
+        assert _flags_over_steps(_healthy_steps(world, 20, seed), 20) == [], seed
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_straggler_rule_flags_slow3_and_only_it(world: int) -> None:
+    for seed in range(25):
+        compute = _healthy_steps(world, 20, seed)
+        for s in range(5, 20):
+            compute[1][s] *= 3.0  # slow:3 from step 5
+        flags = _flags_over_steps(compute, 20)
+        assert flags and all(r == 1 for _, r in flags), (seed, flags)
+        assert min(s for s, _ in flags) <= 6  # within two steps of turning slow
+
+
+def test_straggler_rule_is_leave_one_out() -> None:
+    """With the rank itself in the statistics, the slower of two is exactly 1 std above their mean."""
+    import statistics
+
+    from harness.bench.watchdog import straggler_flags
+
+    a, b = [0.010] * 5, [0.030] * 5
+    pooled = a + b
+    assert statistics.fmean(b) == pytest.approx(statistics.fmean(pooled) + statistics.pstdev(pooled))
+    assert straggler_flags({0: a, 1: b}) == {1}
+    assert straggler_flags({0: [0.010, 0.012], 1: [0.0105, 0.0108]}) == set()  # within 10%
+    assert straggler_flags({0: [0.010] * 3, 1: [0.0115] * 3}, excess=0.5) == set()
+    assert straggler_flags({0: [0.01]}) == set() and straggler_flags({}) == set()
+
+
+def test_stalled_ranks_and_rates() -> None:
+    from harness.bench.watchdog import rank_in_text, stalled_ranks, step_rate
+
+    arrivals = {0: 100.0, 2: 100.5}
+    assert stalled_ranks(arrivals, [0, 1, 2, 3], now=101.9, stall_s=2.0) == []
+    assert stalled_ranks(arrivals, [0, 1, 2, 3], now=102.1, stall_s=2.0) == [1, 3]
+    assert stalled_ranks({}, [0, 1], now=1e9, stall_s=2.0) == []
+    ends = {0: 10.0, 1: 11.0, 2: 12.0, 3: 13.0, 4: 15.0}
+    assert step_rate(ends, 1, 3) == pytest.approx(1.0)
+    assert step_rate(ends, 3, 4, skipped=1) == 0.0
+    assert step_rate(ends, 3, 7) is None
+    assert rank_in_text("Watchdog caught collective operation timeout: rank 3 ...") == 3
+    assert rank_in_text("[Rank:12] NCCL error") == 12
+    assert rank_in_text("Connection closed by peer [127.0.0.1]:4242") is None
