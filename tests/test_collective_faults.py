@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -24,7 +27,6 @@ def test_shaped_work_wait_raises_failed_future() -> None:
 def test_sim_slow_fault_keeps_the_device_busy() -> None:
     """The sim's `slow` kind: each launch works (CPU time, not sleep) ``slow_s`` longer."""
     import importlib
-    import time
 
     import harness.sim as sim
 
@@ -210,3 +212,51 @@ def test_stalled_ranks_and_rates() -> None:
     assert rank_in_text("Watchdog caught collective operation timeout: rank 3 ...") == 3
     assert rank_in_text("[Rank:12] NCCL error") == 12
     assert rank_in_text("Connection closed by peer [127.0.0.1]:4242") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The scenarios, measured (rank processes under a supervisor; every run has hard deadlines)
+# ----------------------------------------------------------------------------------------------
+
+# Tight enough that a broken run fails the test in well under a minute, loose enough for a busy host.
+BOUNDS = {"startup_s": 90.0, "deadline_s": 40.0}
+
+
+def _gone(pids: dict) -> bool:
+    """No process of the scenario survived it (the supervisor's process group was killed)."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as fh:  # a zombie not yet reaped by its parent is gone too
+            if fh.read().split(")")[-1].split()[0] != "Z":
+                return False
+    return True
+
+
+def test_no_spare_world_3_healthy_ranks_exit_cleanly() -> None:
+    """Without a spare the job stops; the survivors get an error (not a hang) and leave by themselves."""
+    from harness.bench.faultrun import run_scenarios
+    from harness.bench.faults import FaultConfig
+
+    cfg = FaultConfig(target="sim", world_size=3, fault_rank=0, spare=0, **BOUNDS)
+    hang, die = run_scenarios(cfg, [("hang", "fused"), ("die", "fused")])
+    for r in (hang, die):
+        assert r.detected and r.rank_named and r.named_rank == 0 and r.detect_s < cfg.timeout_s, r.as_dict()
+        assert r.clean_exit and r.recovered is False and r.completed_steps == cfg.fault_step, r.as_dict()
+        assert _gone(r.pids)
+    assert die.exit_codes["r0"] == -11  # the sim kernel segfaulted
+    assert hang.exit_codes["r0"] == -9  # evicted by the supervisor
+
+
+def test_job_deadline_kills_the_scenario() -> None:
+    """A job that cannot finish in its deadline is killed, with every process, and says so."""
+    from harness.bench.faultrun import run_scenario
+    from harness.bench.faults import FaultConfig
+
+    cfg = FaultConfig(target="cpu", world_size=2, steps=100_000, deadline_s=2.0, startup_s=60.0)
+    t0 = time.time()
+    r = run_scenario(cfg, "none")
+    assert r.timed_out and "deadline" in r.error and not r.clean_exit
+    assert _gone(r.pids) and time.time() - t0 < 60
