@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import sqlite3
 import time
 
 import pytest
@@ -260,3 +262,71 @@ def test_job_deadline_kills_the_scenario() -> None:
     r = run_scenario(cfg, "none")
     assert r.timed_out and "deadline" in r.error and not r.clean_exit
     assert _gone(r.pids) and time.time() - t0 < 60
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows in the store (no processes)
+# ----------------------------------------------------------------------------------------------
+
+
+def _fault_row(run_id: str, scenario: str, **changes):
+    from harness.results.rows import CollectiveFaultRow
+
+    values = dict(
+        run_id=run_id, target="cpu", backend="gloo", world_size=2, setting="fused", scenario=scenario,
+        settings={"kind": "collective-fault"}, fault_rank=1, fault_step=5, steps=20, spare=1, timeout_s=10.0,
+        detected=True, detected_by="stall", detect_s=2.0, rank_named=True, named_rank=1, named_by="stall",
+        backend_error=False, backend_error_s=None, clean_exit=True, nan_caught=None, flagged=None, false_flags=0,
+        throughput_loss=0.5, recovered=1, restart_step=5, steps_lost=1, resume_s=2.5, params_match=1,
+        completed_steps=20, timed_out=False, wall_s=3.0,
+    )
+    values.update(changes)
+    return CollectiveFaultRow(**values)
+
+
+def test_fault_rows_store_read_and_merge(tmp_path) -> None:
+    from harness.results.merge import merge_stores
+    from harness.results.rows import RunInfo
+    from harness.results.store import ResultStore
+
+    db = tmp_path / "a.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("collective-faults", "cpu", {"kind": "collective-fault"}))
+        st.record_collective_fault(_fault_row(rid, "hang"))
+        st.record_collective_fault(_fault_row(rid, "nan", nan_caught=1, recovered=None, params_match=None))
+        st.record_collective_fault(_fault_row(rid, "hang", detect_s=2.2))  # same key: replaces
+        st.finish_run(rid)
+        df = st.collective_faults(rid)
+        assert st.latest_run(has_collective_faults=True) == rid
+    assert list(df.scenario) == ["hang", "nan"] and df.detect_s.tolist() == [2.2, 2.0]
+    nan = df[df.scenario == "nan"].iloc[0]
+    assert nan.nan_caught == 1 and (nan.recovered is None or math.isnan(nan.recovered))  # not applicable
+    merged = tmp_path / "m.db"
+    assert merge_stores(merged, [db]) == 2
+    with ResultStore(merged, create=False) as st:
+        assert len(st.collective_faults()) == 2
+
+
+def test_db_from_before_the_fault_table(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older DB has no collective_faults table: readable as empty, gets it when opened for writing."""
+    from harness.results.merge import merge_stores
+    from harness.results.rows import RunInfo
+    from harness.results.store import ResultStore
+
+    db = tmp_path / "old.db"
+    with ResultStore(db) as st:
+        st.begin_run(RunInfo("smoke", "sim", {}))
+    con = sqlite3.connect(db)
+    con.execute("DROP TABLE collective_faults")
+    con.commit()
+    con.close()
+    with monkeypatch.context() as m:
+        m.setattr("harness.results.store.os.access", lambda *a, **k: False)  # read-only (root ignores chmod)
+        with ResultStore(db, create=False) as st:
+            assert st.read_only and st.collective_faults().empty
+            assert st.latest_run(has_collective_faults=True) is None and st.raw_rows("collective_faults") == []
+        assert merge_stores(tmp_path / "m.db", [db]) == 0
+    with ResultStore(db) as st:  # writable: the table is added, nothing else changes
+        rid = st.latest_run()
+        st.record_collective_fault(_fault_row(rid, "die"))
+        assert len(st.collective_faults()) == 1
