@@ -237,6 +237,44 @@ def _gone(pids: dict) -> bool:
     return True
 
 
+def _check_matrix(matrix, *, timeout_s: float) -> None:
+    """Everything the issue asks of each scenario, with the rows' own words on failure."""
+    by = {r.scenario: r for r in matrix.results}
+    assert set(by) == {"none", "hang", "slow:3", "nan", "die", "flap:3"}
+    for r in matrix.results:
+        info = r.as_dict()
+        info.pop("detections")
+        assert not r.timed_out and r.clean_exit and _gone(r.pids), info
+        assert r.completed_steps == r.steps == 20, info
+        if r.scenario == "none":
+            assert not r.detected and r.false_flags == 0, info  # 0 false flags over 20 healthy steps
+            continue
+        assert r.detected and r.detect_s is not None and r.detect_s < timeout_s, info
+        assert r.rank_named and r.named_rank == r.fault_rank, info
+        assert r.false_flags == 0, info
+    assert by["nan"].nan_caught and by["nan"].detected_by == "finite_check"
+    assert by["slow:3"].flagged and by["slow:3"].detected_by == "straggler" and by["slow:3"].slowdown > 2.0
+    assert by["flap:3"].flagged
+    assert by["hang"].detected_by == "stall"  # the rank that never arrived at the all_reduce
+    for name in ("hang", "die"):
+        r = by[name]
+        # Recovered onto the spare: the remaining steps ran, and the final parameters are bit for bit
+        # those of a fault-free run that re-formed its group at the same step.
+        assert r.recovered and r.restart_step == r.fault_step and r.steps_lost == 1, r.as_dict()
+        assert r.params_consistent and r.params_match, (r.params_digest, r.reference_digest)
+        assert r.resume_s is not None and r.resume_s < timeout_s
+    assert [ref.restart_step for ref in matrix.references] == [5]
+
+
+def test_fault_matrix_on_sim_world_2() -> None:
+    """Every scenario on the sim process group (sim device faults), with a hot spare."""
+    from harness.bench.faultmatrix import run_matrix
+    from harness.bench.faults import ALL, FaultConfig
+
+    cfg = FaultConfig(target="sim", world_size=2, scenarios=list(ALL), spare=1, **BOUNDS)
+    _check_matrix(run_matrix(cfg), timeout_s=cfg.timeout_s)
+
+
 def test_no_spare_world_3_healthy_ranks_exit_cleanly() -> None:
     """Without a spare the job stops; the survivors get an error (not a hang) and leave by themselves."""
     from harness.bench.faultrun import run_scenarios
