@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import math
 import os
 import sqlite3
@@ -275,6 +278,46 @@ def test_fault_matrix_on_sim_world_2() -> None:
     _check_matrix(run_matrix(cfg), timeout_s=cfg.timeout_s)
 
 
+def test_fault_matrix_on_gloo_world_4_via_cli(tmp_path) -> None:
+    """Every scenario on gloo (injected at the collective) through the CLI: JSON, rows, report page."""
+    from harness.bench.faultmatrix import FaultMatrix
+    from harness.bench.faultresult import ScenarioResult
+    from harness.bench.faults import FaultConfig
+    from harness.cli import main
+    from harness.report.build import build_report
+    from harness.results.store import ResultStore
+
+    db = tmp_path / "faults.db"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["collectives", "--target", "cpu", "--world-size", "4", "--faults", "all", "--spare", "1",
+                   "--fault-rank", "2", "--db", str(db), "--json"])
+    payload = json.loads(buf.getvalue())
+    assert payload["backend"] == "gloo" and payload["world_size"] == 4
+    fields = set(ScenarioResult.__dataclass_fields__)
+    results = [ScenarioResult(**{k: v for k, v in r.items() if k in fields}) for r in payload["rows"]]
+    refs = [ScenarioResult(target="cpu", backend="gloo", world_size=4, setting=r["setting"], scenario="none",
+                           fault_rank=-1, fault_step=5, steps=20, spare=1, timeout_s=10.0,
+                           restart_step=r["restart_step"]) for r in payload["references"]]
+    _check_matrix(FaultMatrix(FaultConfig(**payload["config"]), results, refs, payload["wall_s"]), timeout_s=10.0)
+    assert rc == 0 and all(r.fault_rank == 2 for r in results if r.scenario != "none")
+
+    with ResultStore(db, create=False) as st:
+        rows = st.collective_faults()
+        run = st.runs().iloc[0]
+    assert len(rows) == 6 and run.list_name == "collective-faults"
+    assert set(rows.scenario) == {"none", "hang", "slow:3", "nan", "die", "flap:3"}
+    assert rows.detected[rows.scenario != "none"].all() and rows.rank_named[rows.scenario != "none"].all()
+    assert (rows.params_match[rows.scenario.isin(["hang", "die"])] == 1).all()
+
+    site = tmp_path / "site"
+    build_report(db, site)
+    page = (site / "collective-faults.html").read_text()
+    assert "Collective faults" in (site / "index.html").read_text()  # in the nav
+    assert "gloo · world 4 · fused" in page and "rank 2 named" in page and "parameters match" in page
+    assert "NaN caught before the optimizer step" in page and "flagged as a straggler" in page
+
+
 def test_no_spare_world_3_healthy_ranks_exit_cleanly() -> None:
     """Without a spare the job stops; the survivors get an error (not a hang) and leave by themselves."""
     from harness.bench.faultrun import run_scenarios
@@ -368,3 +411,37 @@ def test_db_from_before_the_fault_table(tmp_path, monkeypatch: pytest.MonkeyPatc
         rid = st.latest_run()
         st.record_collective_fault(_fault_row(rid, "die"))
         assert len(st.collective_faults()) == 1
+
+
+def test_collective_faults_page_from_rows(tmp_path) -> None:
+    """The report's grid from stored rows: verdict per cell, untrusted text escaped, page only when needed."""
+    from harness.report.build import build_report
+    from harness.results.rows import RunInfo
+    from harness.results.store import ResultStore
+
+    evil = "<script>alert(1)</script>"
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("collective-faults", "cpu", {"kind": "collective-fault"}))
+        st.record_collective_fault(_fault_row(rid, "none", fault_rank=-1, detected=False, detected_by="",
+                                              detect_s=None, rank_named=False, named_rank=None, recovered=None,
+                                              params_match=None))
+        st.record_collective_fault(_fault_row(rid, "die", detected_by="exit", error=evil))
+        st.record_collective_fault(_fault_row(rid, "slow:3", world_size=4, detected=False, detected_by="",
+                                              detect_s=None, rank_named=False, named_rank=None, flagged=0,
+                                              recovered=None, params_match=None))
+        st.finish_run(rid)
+    site = tmp_path / "site"
+    build_report(db, site)
+    page = (site / "collective-faults.html").read_text()
+    assert evil not in page and "&lt;script&gt;" in page
+    assert "gloo · world 2 · fused" in page and "gloo · world 4 · fused" in page and "not run" in page
+    assert "detected in 2.00 s by exit" in page and "recovered, resumed in 2.50 s; parameters match" in page
+    assert "NOT detected" in page and "not flagged as a straggler" in page and "healthy: not flagged" in page
+    assert 'href="collective-faults.html"' in (site / "index.html").read_text()
+    other = tmp_path / "other.db"  # a DB without fault rows: no page, no nav entry, no stale page left
+    with ResultStore(other) as st:
+        st.finish_run(st.begin_run(RunInfo("smoke", "sim", {})))
+    build_report(other, site)
+    assert not (site / "collective-faults.html").exists()
+    assert "collective-faults.html" not in (site / "index.html").read_text()
