@@ -1,9 +1,10 @@
 """Run fault scenarios: a supervisor process per scenario, hard deadlines, recovery onto a hot spare.
 
-`run_scenario` starts a *supervisor* process in a new session (its own process group), which spawns
-the rank processes and any hot spares (`harness.bench.faultjob.proc_main`). The caller gives the
-supervisor a hard deadline and, past it, kills the whole process group; the supervisor gives the job
-its own deadline, and each rank a self-destruct timer. Nothing a scenario does can hang the caller.
+`run_scenarios` starts a *supervisor* process in a new session (its own process group), which forks
+the rank processes and any hot spares (`harness.bench.faultjob.proc_main`) from a fork server that
+imported torch and the model code once. The caller gives the supervisor a hard deadline and, past it,
+kills the whole process group (supervisor, fork server, ranks); the supervisor gives each job its own
+deadline, and each rank a self-destruct timer. Nothing a scenario does can hang the caller.
 
 The supervisor waits until every process has imported torch and built its model (ready), then runs
 generation 0 and watches it (`harness.bench.watchdog.Watchdog`). When the watchdog names a rank that
@@ -60,7 +61,8 @@ class _Supervisor:
         }
         self.reader = EventReader(workdir)
         self.events: list[dict] = []
-        self.watchdog = Watchdog(stall_s=cfg.stall_s, heartbeat_s=max(2.0, cfg.stall_s), excess=cfg.excess)
+        # Heartbeats only catch a frozen process (none of the scenarios): a loose bar, never a false eviction.
+        self.watchdog = Watchdog(stall_s=cfg.stall_s, heartbeat_s=max(5.0, 2 * cfg.stall_s), excess=cfg.excess)
         self.control: dict[str, Any] = {"gen": -1, "members": [], "abort": [], "stop": False}
         self.killed: set[str] = set()
         self.failed_labels: set[str] = set()  # named as hung/dead: evicted, never a member again
@@ -232,7 +234,7 @@ def _preload(target: str) -> list[str]:
     return mods + (["harness.sim", "harness.sim.distributed"] if target == "sim" else [])
 
 
-Job = tuple[str, str, "int | None"]  # scenario, collective setting, restart step (a `none` reference)
+Job = tuple[str, str, int | None]  # scenario, collective setting, restart step (a `none` reference)
 
 
 def _job_config(cfg: FaultConfig, job: Job) -> FaultConfig:
