@@ -46,7 +46,7 @@ def headline(matrices: list[faultmatrix.FaultMatrix]) -> str:
         if r.recovered:
             extra.append(f"resumed on the spare in {r.resume_s:.2f} s, params {'match' if r.params_match else 'DIFFER'}")
         if r.throughput_loss is not None:
-            extra.append(f"throughput -{r.throughput_loss:.0%}")
+            extra.append(f"throughput {-r.throughput_loss:+.0%}")
         lines.append(f"  {r.backend:<9} w{r.world_size} {r.scenario:<7} {what}" + (f"; {'; '.join(extra)}" if extra else ""))
     detect = [r.detect_s for r in results if r.detect_s is not None]
     if detect:

@@ -431,9 +431,15 @@ def test_collective_faults_page_from_rows(tmp_path) -> None:
                                               detect_s=None, rank_named=False, named_rank=None, flagged=0,
                                               recovered=None, params_match=None))
         st.finish_run(rid)
+    with ResultStore(db) as st:  # a later run of one backend: its rows replace those they overlap
+        rid2 = st.begin_run(RunInfo("collective-faults", "cpu", {"kind": "collective-fault", "again": 1}))
+        st.record_collective_fault(_fault_row(rid2, "hang", detect_s=0.5))
+        st.finish_run(rid2)
     site = tmp_path / "site"
     build_report(db, site)
     page = (site / "collective-faults.html").read_text()
+    assert "detected in 0.50 s by stall" in page and "detected in 2.00 s by stall" not in page
+    assert rid in page and rid2 in page  # both runs feed the grid
     assert evil not in page and "&lt;script&gt;" in page
     assert "gloo · world 2 · fused" in page and "gloo · world 4 · fused" in page and "not run" in page
     assert "detected in 2.00 s by exit" in page and "recovered, resumed in 2.50 s; parameters match" in page

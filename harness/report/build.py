@@ -70,7 +70,7 @@ class _RunData:
     coll: pd.DataFrame  # collective benchmarks shown on the collectives page
     coll_run: str | None  # the run they come from
     faults: pd.DataFrame  # fault-scenario rows shown on the collective-faults page (when there are any)
-    faults_run: str | None
+    faults_runs: list[str]  # the runs they come from
     base: tuple[str, pd.DataFrame, str] | None  # diff base: run id, its results, where from
 
 
@@ -87,7 +87,7 @@ def _load(
         # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
         # else the latest benchmark run in the DB.
         coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
-        faults_run = rid if store.collective_faults(rid).shape[0] else store.latest_run(has_collective_faults=True)
+        faults = _latest_faults(store, rid)
         return _RunData(
             run_id=rid,
             df=df,
@@ -96,10 +96,21 @@ def _load(
             hist=store.history(),
             coll=store.collectives(coll_run) if coll_run else store.collectives(rid),
             coll_run=coll_run,
-            faults=store.collective_faults(faults_run) if faults_run else store.collective_faults(rid),
-            faults_run=faults_run,
+            faults=faults,
+            faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
             base=_resolve_base(store, rid, base_run, base_db),
         )
+
+
+def _latest_faults(store: ResultStore, run_id: str) -> pd.DataFrame:
+    """The latest row of each (backend, world size, setting, scenario) over every fault run in the DB
+    (``collectives --faults`` records one run per target and world size); the selected run's rows win."""
+    every = store.collective_faults()
+    if every.empty:
+        return every
+    every = every.assign(_own=every.run_id == run_id).sort_values(["_own", "finished_at"], kind="stable")
+    key = ["target", "backend", "world_size", "setting", "scenario"]
+    return every.drop_duplicates(key, keep="last").drop(columns="_own")
 
 
 def _resolve_base(
@@ -243,8 +254,8 @@ def _render_collective_faults(site: _Site, data: _RunData) -> None:
     if data.faults.empty:
         (site.out / FAULTS_PAGE).unlink(missing_ok=True)  # a previous report's page must not linger
         return
-    other_run = data.faults_run if data.faults_run and data.faults_run != data.run_id else ""
-    site.render("collective-faults.html", FAULTS_PAGE, faults_run=other_run, **collective_faults_view(data.faults))
+    other = [r for r in data.faults_runs if r != data.run_id]
+    site.render("collective-faults.html", FAULTS_PAGE, faults_runs=other, **collective_faults_view(data.faults))
 
 
 def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:

@@ -474,7 +474,7 @@ def collective_faults_view(faults: pd.DataFrame) -> dict[str, Any]:
         rows.append({
             "backend": _text(r["backend"]), "world_size": int(r["world_size"]), "setting": _text(r["setting"]),
             "scenario": _text(r["scenario"]), "fault": "-" if int(r["fault_rank"]) < 0 else
-            f"rank {int(r['fault_rank'])} @ step {int(r['fault_step'])}",
+            f"{int(r['fault_rank'])} @ {int(r['fault_step'])}",
             "detected": "yes" if _flag(r.get("detected")) else "no", "by": _text(r.get("detected_by")),
             "detect_s": _secs(r.get("detect_s")), "named": _text(r.get("named_by")) if _flag(r.get("rank_named")) else "",
             "backend_error": _secs(r.get("backend_error_s")) if _flag(r.get("backend_error")) else "",
