@@ -36,8 +36,8 @@ from harness.bench.config import TARGETS
 from harness.bench.faults import FaultConfig, Injector, parse_scenario
 from harness.bench.watchdog import EventLog, read_json, write_json
 
-# Tiny GPT-2: a step is a few ms on a CPU core but long enough that scheduling noise on a busy host
-# stays well under the straggler rule's 10%. No dropout: nothing random in a step.
+# Tiny GPT-2: a few ms of compute per step on a CPU core (20 steps are well under a second), gradients
+# in one DDP bucket. No dropout: nothing random in a step, so runs can be compared bit for bit.
 MODEL_CONFIG = {
     "vocab_size": 256,
     "n_embd": 64,

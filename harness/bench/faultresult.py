@@ -98,7 +98,10 @@ def summarize(cfg: FaultConfig, spec: FaultSpec, setting: str, raw: dict | None,
         res.flag_step = min(true_flags)[0] if true_flags else None
 
     # Detection and naming: the first detection of the fault; the first that names a rank.
-    if spec.kind == "none":
+    if spec.kind == "none":  # anything the watchdog reports in a healthy run is a false alarm
+        if dets:
+            first = min(dets, key=lambda d: d.t)
+            res.detected, res.detected_by, res.detail = True, first.by, first.detail
         relevant = []
     elif slow:  # only the straggler rule can see a straggler: its first flag on the bad rank once slow
         relevant = [
@@ -107,8 +110,8 @@ def summarize(cfg: FaultConfig, spec: FaultSpec, setting: str, raw: dict | None,
                       f"above its peers' mean compute)")
             for s, t in sorted(true_flags)[:1]
         ]
-    else:
-        relevant = dets
+    else:  # hang, die, nan: what the straggler rule says about other ranks is not about this fault
+        relevant = [d for d in dets if d.by != "straggler" and t_fault is not None and d.t >= t_fault]
     if relevant and t_fault is not None:
         first = min(relevant, key=lambda d: d.t)
         res.detected, res.detected_by = True, first.by
