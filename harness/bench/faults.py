@@ -39,9 +39,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from harness.bench.config import TARGETS
 from harness.comms.settings import parse_setting
+
+if TYPE_CHECKING:  # the rank imports torch; parsing and validating scenarios must not
+    import torch
 
 SCENARIOS = ("none", "hang", "slow", "nan", "die", "flap")
 ALL = ["hang", "slow:3", "nan", "die", "flap:3"]  # `--faults all`: the five fault scenarios
@@ -318,7 +322,7 @@ class Injector:
         if self.spec.kind in ("slow", "flap", "nan"):
             harness.sim.clear_faults(self.device)  # no fault may touch the finiteness flags or the optimizer
 
-    def at_collective(self, step: int, bucket) -> None:
+    def at_collective(self, step: int, bucket: torch.Tensor | None) -> None:
         """Harness mode: act on the gradient bucket before it goes to the backend."""
         if self.mode == "sim" or not self._fired(step):
             return
