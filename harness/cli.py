@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_option(p)
     p.add_argument("--db", default=None, help="record rows in this result DB")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds; with --faults: the detection budget (default 10; the collective timeout is half, "
+                   "the stall watchdog a fifth); else the collective timeout (default 300)")
+    g = p.add_argument_group("fault scenarios (one bad rank in a DDP job; exit 1 if one goes undetected or unnamed)")
+    g.add_argument("--faults", default=None,
+                   help="run these scenarios instead of timing settings: comma-separated hang, slow[:F], nan, die, "
+                   "flap[:F], none, or all (default settings: fused)")
+    g.add_argument("--fault-rank", type=int, default=1, help="the bad rank (default 1)")
+    g.add_argument("--fault-step", type=int, default=5, help="the step it goes bad at (default 5)")
+    g.add_argument("--steps", type=int, default=20, help="training steps per scenario (default 20)")
+    g.add_argument("--spare", type=int, default=0, help="hot spare ranks: a die/hang recovers onto one (default 0)")
+    g.add_argument("--straggler-excess", type=float, default=None,
+                   help="straggler bar above the peers' mean (default 0.1 on cuda, 0.5 where ranks share cores)")
     p.set_defaults(func=cmd_collectives)
 
     p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
@@ -306,14 +319,46 @@ def collectives_config(args: argparse.Namespace):
         sizes=bench.parse_sizes(args.sizes) if args.sizes else list(bench.DEFAULT_SIZES),
         settings=[s.strip() for s in args.settings.split(",") if s.strip()] if args.settings
         else list(bench.DEFAULT_SETTINGS),
+        **({"timeout_s": args.timeout} if args.timeout is not None else {}),
     )
     cfg.validate()
     return cfg
 
 
+def collective_faults_config(args: argparse.Namespace):
+    """The fault matrix `portharness collectives --faults` arguments describe (validated)."""
+    from harness.bench.faults import FaultConfig, parse_scenarios
+
+    cfg = FaultConfig(
+        target=args.target, world_size=args.world_size, scenarios=[s.name for s in parse_scenarios(args.faults)],
+        settings=[s.strip() for s in args.settings.split(",") if s.strip()] if args.settings else ["fused"],
+        fault_rank=args.fault_rank, fault_step=args.fault_step, steps=args.steps, spare=args.spare,
+        straggler_excess=args.straggler_excess, **({"timeout_s": args.timeout} if args.timeout is not None else {}),
+    )
+    cfg.validate()
+    return cfg
+
+
+def cmd_collective_faults(args: argparse.Namespace) -> int:
+    from harness.bench import faultmatrix
+
+    cfg = collective_faults_config(args)
+    matrix = faultmatrix.run_matrix(cfg)
+    run_id = faultmatrix.record(matrix, args.db, argv=" ".join(sys.argv)) if args.db else None
+    if args.json:
+        print(json.dumps(faultmatrix.as_json(matrix, run_id), indent=2))
+    else:
+        print(faultmatrix.format_table(matrix))
+        if run_id:
+            print(f"recorded run {run_id} in {args.db}")
+    return 1 if faultmatrix.problems(matrix) else 0
+
+
 def cmd_collectives(args: argparse.Namespace) -> int:
     from harness.bench import collectives as bench
 
+    if args.faults is not None:
+        return cmd_collective_faults(args)
     cfg = collectives_config(args)
     try:
         result = bench.run_benchmark(cfg)

@@ -36,6 +36,30 @@ from harness.comms.settings import CollectiveSettings, get_collective_settings, 
 from harness.comms.transport import Hosts, Messages, flat_view, make_transport, opts_like
 
 
+class _FutureWork(dist.Work):
+    """The Work a shaped collective returns: done when its future is, and ``wait()`` raises its error.
+
+    ``c10d._create_work_from_future`` would do, except that its ``wait()`` returns True even when the
+    future failed: a blocking ``dist.all_reduce`` whose peer died mid-message then returned normally,
+    leaving stale data in the caller's tensor. Blocking calls wait here; DDP's reducer and async callers
+    use the future, which carries the error either way.
+    """
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._fut.wait()  # raises the first failed message's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
 class ShapedProcessGroup(dist.ProcessGroup):
     """A process group that runs each collective as a plan of messages shaped by `CollectiveSettings`.
 
@@ -124,7 +148,7 @@ class ShapedProcessGroup(dist.ProcessGroup):
         if not futs:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(result)
-            return c10d._create_work_from_future(fut)
+            return _FutureWork(fut)
         done = torch.futures.collect_all(futs)
 
         def _then(f: torch.futures.Future) -> list:
@@ -132,7 +156,7 @@ class ShapedProcessGroup(dist.ProcessGroup):
                 sub.value()  # re-raises a failed message
             return result
 
-        return c10d._create_work_from_future(done.then(_then))
+        return _FutureWork(done.then(_then))
 
     # -- stage primitives (host tensors, one transport, settings-shaped messages) ----------------
 

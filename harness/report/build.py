@@ -22,6 +22,7 @@ from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
 from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.views import (
+    collective_faults_view,
     collectives_view,
     diff_view,
     drift_view,
@@ -42,6 +43,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 MARKER = ".portharness-report"
+FAULTS_PAGE = "collective-faults.html"
 NAV = (
     ("index.html", "Summary"),
     ("matrix.html", "Matrix"),
@@ -67,6 +69,8 @@ class _RunData:
     hist: pd.DataFrame  # every result in the DB, for the model pages' history
     coll: pd.DataFrame  # collective benchmarks shown on the collectives page
     coll_run: str | None  # the run they come from
+    faults: pd.DataFrame  # fault-scenario rows shown on the collective-faults page (when there are any)
+    faults_runs: list[str]  # the runs they come from
     base: tuple[str, pd.DataFrame, str] | None  # diff base: run id, its results, where from
 
 
@@ -83,6 +87,7 @@ def _load(
         # Collective benchmarks are usually their own run (list "collectives"): show the selected run's,
         # else the latest benchmark run in the DB.
         coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
+        faults = _latest_faults(store, rid)
         return _RunData(
             run_id=rid,
             df=df,
@@ -91,8 +96,21 @@ def _load(
             hist=store.history(),
             coll=store.collectives(coll_run) if coll_run else store.collectives(rid),
             coll_run=coll_run,
+            faults=faults,
+            faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
             base=_resolve_base(store, rid, base_run, base_db),
         )
+
+
+def _latest_faults(store: ResultStore, run_id: str) -> pd.DataFrame:
+    """The latest row of each (backend, world size, setting, scenario) over every fault run in the DB
+    (``collectives --faults`` records one run per target and world size); the selected run's rows win."""
+    every = store.collective_faults()
+    if every.empty:
+        return every
+    every = every.assign(_own=every.run_id == run_id).sort_values(["_own", "finished_at"], kind="stable")
+    key = ["target", "backend", "world_size", "setting", "scenario"]
+    return every.drop_duplicates(key, keep="last").drop(columns="_own")
 
 
 def _resolve_base(
@@ -186,9 +204,10 @@ class _Site:
 
 
 def _common(data: _RunData, db_path: str | os.PathLike, *, has_diff: bool) -> dict[str, Any]:
+    faults = [(FAULTS_PAGE, "Collective faults")] if not data.faults.empty else []
     return {
         **run_view(data.run),
-        "nav": list(NAV) + ([("diff.html", "Diff")] if has_diff else []),
+        "nav": list(NAV) + faults + ([("diff.html", "Diff")] if has_diff else []),
         "generated_at": utc_now(),
         "harness_version": __version__,
         "db_name": Path(db_path).name,
@@ -228,6 +247,15 @@ def _render_collectives(site: _Site, data: _RunData) -> None:
     site.render(
         "collectives.html", "collectives.html", groups=collectives_view(data.coll), coll_run=other_run
     )
+
+
+def _render_collective_faults(site: _Site, data: _RunData) -> None:
+    """Only when the DB has fault scenarios (then the nav links it)."""
+    if data.faults.empty:
+        (site.out / FAULTS_PAGE).unlink(missing_ok=True)  # a previous report's page must not linger
+        return
+    other = [r for r in data.faults_runs if r != data.run_id]
+    site.render("collective-faults.html", FAULTS_PAGE, faults_runs=other, **collective_faults_view(data.faults))
 
 
 def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:
@@ -277,6 +305,7 @@ def build_report(
     _render_ops(site, df, opinfo_csv, hrefs)
     site.render("drift.html", "drift.html", **drift_view(df, hrefs))
     _render_collectives(site, data)
+    _render_collective_faults(site, data)
     if res is not None and base is not None:
         site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
     _render_models(site, df, data.hist, hrefs)

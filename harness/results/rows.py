@@ -138,6 +138,53 @@ class CollectiveRow:
     finished_at: str = ""
 
 
+@dataclass
+class CollectiveFaultRow:
+    """One fault scenario (one bad rank) on one backend, collective setting and world size.
+
+    Times are seconds from the fault's injection. ``nan_caught``, ``flagged``, ``recovered`` and
+    ``params_match`` are 1/0, or None where the scenario does not ask the question (a bool column
+    would store "not applicable" as 0).
+    """
+
+    run_id: str
+    target: str
+    backend: str
+    world_size: int
+    setting: str
+    scenario: str
+    settings: dict
+    fault_rank: int
+    fault_step: int
+    steps: int
+    spare: int
+    timeout_s: float
+    detected: bool
+    detected_by: str
+    detect_s: float | None
+    rank_named: bool
+    named_rank: int | None
+    named_by: str
+    backend_error: bool
+    backend_error_s: float | None
+    clean_exit: bool
+    nan_caught: int | None
+    flagged: int | None
+    false_flags: int
+    throughput_loss: float | None
+    recovered: int | None
+    restart_step: int | None
+    steps_lost: int | None
+    resume_s: float | None
+    params_match: int | None
+    completed_steps: int
+    timed_out: bool
+    wall_s: float
+    detail: str = ""
+    error: str = ""
+    finished_at: str = ""
+
+
 # ----------------------------------------------------------------------------------------------
 # Column types, from the real annotations (not their text)
 # ----------------------------------------------------------------------------------------------

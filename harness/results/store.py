@@ -34,6 +34,7 @@ from harness.results.dbfile import (
     inspect,
 )
 from harness.results.rows import (
+    CollectiveFaultRow,
     CollectiveRow,
     ResultRow,
     RunInfo,
@@ -66,7 +67,12 @@ RESULTS = Table("results", ResultRow, ("run_id", "model_id", "target", "settings
 COLLECTIVES = Table(
     "collectives", CollectiveRow, ("run_id", "target", "backend", "world_size", "op", "size_bytes", "setting", "settings")
 )
-TABLES = {t.name: t for t in (RESULTS, COLLECTIVES)}
+COLLECTIVE_FAULTS = Table(
+    "collective_faults",
+    CollectiveFaultRow,
+    ("run_id", "target", "backend", "world_size", "setting", "scenario"),
+)
+TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS)}
 _SQL = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
 RUN_COLUMNS = [*field_names(RunInfo), "finished_at"]
 
@@ -96,6 +102,7 @@ _SCHEMA = [
     _create_sql(RESULTS),
     "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
     _create_sql(COLLECTIVES),
+    _create_sql(COLLECTIVE_FAULTS),
 ]
 
 
@@ -172,8 +179,9 @@ class ResultStore:
                 raise
 
     def _add_missing_columns(self) -> None:
-        """Columns added since the DB was created: ADD COLUMN keeps every existing row as it is."""
+        """Tables and columns added since the DB was created: existing rows stay as they are."""
         for t in TABLES.values():
+            self._con.execute(_create_sql(t))  # IF NOT EXISTS: a DB from before the table gets it
             have = {r[1] for r in self._con.execute(f"PRAGMA table_info({t.name})")}
             for c, typ in t.types.items():
                 if c not in have:
@@ -262,6 +270,7 @@ class ResultStore:
         unfinished_only: bool = False,
         has_results: bool = False,
         has_collectives: bool = False,
+        has_collective_faults: bool = False,
     ) -> str | None:
         """Most recently started run matching the filters, or None.
 
@@ -284,6 +293,10 @@ class ResultStore:
             where.append("EXISTS (SELECT 1 FROM results x WHERE x.run_id=runs.run_id)")
         if has_collectives:
             where.append("EXISTS (SELECT 1 FROM collectives c WHERE c.run_id=runs.run_id)")
+        if has_collective_faults:
+            if not self._has_table(COLLECTIVE_FAULTS.name):
+                return None
+            where.append("EXISTS (SELECT 1 FROM collective_faults f WHERE f.run_id=runs.run_id)")
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = self._query(
             f"SELECT run_id FROM runs {clause} ORDER BY started_at DESC, rowid DESC LIMIT 1", params
@@ -321,6 +334,17 @@ class ResultStore:
         if not row.finished_at:
             row.finished_at = utc_now()
         self._upsert(COLLECTIVES, [encode(row, COLLECTIVES.types)])
+
+    def record_collective_fault(self, row: CollectiveFaultRow) -> None:
+        """Upsert one fault-scenario row; committed when this returns."""
+        self._require_run(row.run_id)
+        if not row.finished_at:
+            row.finished_at = utc_now()
+        self._upsert(COLLECTIVE_FAULTS, [encode(row, COLLECTIVE_FAULTS.types)])
+
+    def _has_table(self, name: str) -> bool:
+        """Whether the DB has table ``name`` (a read-only DB from before it was added does not)."""
+        return bool(self._query("SELECT 1 AS x FROM sqlite_master WHERE type='table' AND name=?", (name,)))
 
     def _upsert(self, t: Table, rows: list[dict[str, Any]]) -> None:
         """Insert encoded rows, replacing rows with the same key; all-or-nothing, committed on return."""
@@ -400,6 +424,20 @@ class ResultStore:
             rows = self._query("SELECT * FROM collectives ORDER BY run_id, op, size_bytes, setting")
         return frame(rows, COLLECTIVES.columns, COLLECTIVES.types)
 
+    def collective_faults(self, run_id: str | None = None) -> pd.DataFrame:
+        """Fault-scenario rows (all runs if ``run_id`` is None), settings decoded."""
+        t = COLLECTIVE_FAULTS
+        if run_id is not None:
+            self._require_run(run_id)
+        if not self._has_table(t.name):
+            return frame([], t.columns, t.types)
+        order = "ORDER BY backend, world_size, setting, scenario"
+        if run_id is not None:
+            rows = self._query(f"SELECT * FROM {t.name} WHERE run_id=? {order}", (run_id,))
+        else:
+            rows = self._query(f"SELECT * FROM {t.name} ORDER BY run_id, backend, world_size, setting, scenario")
+        return frame(rows, t.columns, t.types)
+
     # -- whole tables, as stored (for merge) -----------------------------------------------------
 
     def raw_runs(self) -> list[dict[str, Any]]:
@@ -407,8 +445,10 @@ class ResultStore:
         return [{c: r.get(c) for c in RUN_COLUMNS} for r in self._query("SELECT * FROM runs")]
 
     def raw_rows(self, table: str) -> list[dict[str, Any]]:
-        """Every row of `results` or `collectives` as stored; columns this DB predates are None."""
+        """Every row of a table in `TABLES` as stored; columns (or a table) this DB predates are None (empty)."""
         t = TABLES[table]
+        if not self._has_table(t.name):
+            return []
         return [{c: r.get(c) for c in t.columns} for r in self._query(f"SELECT * FROM {t.name}")]
 
     def put_raw_runs(self, runs: list[dict[str, Any]]) -> None:

@@ -8,12 +8,16 @@ launch on that device:
 - ``garbage``: a freshly computed floating-point output is overwritten with large random values.
 - ``error``: the kernel raises `SimDeviceError` (a RuntimeError, like a CUDA/XLA runtime error).
 - ``hang``: the kernel sleeps for ``hang_s`` seconds (default: an hour, i.e. a hang).
+- ``slow``: the kernel keeps the device busy ``slow_s`` seconds longer (default 1 ms), as a throttled
+  chip would: a straggler. The time is spent working (host CPU time), not sleeping, so it shows in
+  the device's busy time as well as in wall time.
 - ``crash``: the process dies from SIGSEGV, as a driver segfault would.
 
 Each kind has a per-launch probability; draws come from a per-device RNG seeded from ``seed``, so a
 given spec fails the same launches every run.
 
-Switch: env ``PORTHARNESS_SIM_FAULTS`` (e.g. ``sim:1=nan:1.0;sim:0=error:0.05,hang:0.01@seed=3``),
+Switch: env ``PORTHARNESS_SIM_FAULTS`` (e.g. ``sim:1=nan:1.0;sim:0=error:0.05,hang:0.01@seed=3``,
+``sim:1=slow:1.0@slow_s=0.002``),
 `set_faults()` / `clear_faults()`, or the `faults()` context manager.
 """
 
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 FAULTS_ENV = "PORTHARNESS_SIM_FAULTS"
-KINDS = ("crash", "hang", "error", "nan", "garbage")
+KINDS = ("crash", "hang", "error", "nan", "garbage", "slow")  # new kinds go last: draws stay the same
 
 
 class SimDeviceError(RuntimeError):
@@ -44,6 +48,7 @@ class DeviceFaults:
     probabilities: dict[str, float]
     seed: int = 0
     hang_s: float = 3600.0
+    slow_s: float = 0.001
     rng: random.Random = field(init=False, repr=False)
     injected: dict[str, int] = field(init=False)
 
@@ -71,10 +76,12 @@ def _device_index(device: str | int) -> int:
     return int(index or 0)
 
 
-def set_faults(device: str | int, *, seed: int = 0, hang_s: float = 3600.0, **probabilities: float) -> None:
+def set_faults(
+    device: str | int, *, seed: int = 0, hang_s: float = 3600.0, slow_s: float = 0.001, **probabilities: float
+) -> None:
     """Make `device` faulty, e.g. ``set_faults("sim:1", nan=1.0)``. Replaces earlier faults there."""
     idx = _device_index(device)
-    _active[idx] = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s)
+    _active[idx] = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s, slow_s=slow_s)
 
 
 def clear_faults(device: str | int | None = None) -> None:
@@ -95,12 +102,12 @@ def injected_counts() -> dict[str, dict[str, int]]:
 
 @contextmanager
 def faults(
-    device: str | int, *, seed: int = 0, hang_s: float = 3600.0, **probabilities: float
+    device: str | int, *, seed: int = 0, hang_s: float = 3600.0, slow_s: float = 0.001, **probabilities: float
 ) -> Iterator[None]:
     """Inject faults on `device` inside the block only."""
     idx = _device_index(device)
     prev = _active.get(idx)
-    set_faults(idx, seed=seed, hang_s=hang_s, **probabilities)
+    set_faults(idx, seed=seed, hang_s=hang_s, slow_s=slow_s, **probabilities)
     try:
         yield
     finally:
@@ -111,7 +118,7 @@ def faults(
 
 
 def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
-    """Parse ``sim:1=nan:1.0,error:0.1;sim:0=hang:0.5@seed=3`` (``@seed=`` and ``@hang_s=`` optional)."""
+    """Parse ``sim:1=nan:1.0,error:0.1;sim:0=hang:0.5@seed=3`` (``@seed=``, ``@hang_s=``, ``@slow_s=`` optional)."""
     out: dict[int, DeviceFaults] = {}
     for clause in filter(None, (c.strip() for c in spec.split(";"))):
         try:
@@ -127,7 +134,8 @@ def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
                 kw[k.strip()] = float(v)
             idx = _device_index(dev.strip())
             out[idx] = DeviceFaults(
-                probs, seed=int(kw.get("seed", 0)) * 1_000_003 + idx, hang_s=kw.get("hang_s", 3600.0)
+                probs, seed=int(kw.get("seed", 0)) * 1_000_003 + idx, hang_s=kw.get("hang_s", 3600.0),
+                slow_s=kw.get("slow_s", 0.001),
             )
         except ValueError as e:
             raise ValueError(
@@ -164,6 +172,10 @@ def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
             os.kill(os.getpid(), signal.SIGSEGV)
         elif kind == "hang":
             time.sleep(f.hang_s)
+        elif kind == "slow":
+            end = time.thread_time() + f.slow_s  # busy, not asleep: a slow chip still computes
+            while time.thread_time() < end:
+                pass
         elif kind == "error":
             raise SimDeviceError(f"sim:{idx}: device error (injected fault): uncorrectable memory error")
 
