@@ -97,5 +97,12 @@ def test_planted_bug_is_drift_localized_to_its_op(tmp_path: Path, clean, kind, u
     assert repro.is_file() and repro.with_suffix(".pt").is_file()
     r = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and "BEYOND the declared precision" in r.stdout, r.stderr[-2000:]
+    from harness.report import build_report
+    from harness.report.views import safe_name
+
+    site = tmp_path / "site"
+    build_report(db, site)
+    page = (site / "models" / f"{safe_name(u['model_id'])}.html").read_text()
+    assert f"../repro/{repro.name}" in page and (site / "repro" / repro.name).is_file()
     c = clean[b["model_id"]]  # a model that never calls the op: bit-for-bit the clean result
     assert (b["outcome"], b["max_abs_err"], b["declared_ratio"]) == (c["outcome"], c["max_abs_err"], c["declared_ratio"])

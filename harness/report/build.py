@@ -164,6 +164,7 @@ def _prepare_out(out: Path) -> None:
         for stale in models.glob("*.html"):
             stale.unlink()
     models.mkdir(exist_ok=True)
+    shutil.rmtree(out / "repro", ignore_errors=True)  # repros are copied afresh for the run shown
     assets = out / "assets"
     assets.mkdir(exist_ok=True)
     if not ASSETS_DIR.is_dir():
@@ -258,10 +259,29 @@ def _render_collective_faults(site: _Site, data: _RunData) -> None:
     site.render("collective-faults.html", FAULTS_PAGE, faults_runs=other, **collective_faults_view(data.faults))
 
 
+def _copy_repros(site: _Site, rows: list[dict[str, Any]]) -> dict[str, str]:
+    """Copy each row's repro (script + saved inputs) into the site; repro path -> link from a model page."""
+    links: dict[str, str] = {}
+    for r in rows:
+        path = Path(str(r.get("repro_path") or ""))
+        if not path.name or not path.is_file():
+            continue
+        dest = site.out / "repro"
+        dest.mkdir(exist_ok=True)
+        for f in (path, path.with_suffix(".pt")):
+            if f.is_file():
+                shutil.copyfile(f, dest / f.name)
+        links[str(path)] = f"../repro/{path.name}"
+    return links
+
+
 def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:
     history = history_view(hist)
     by_model: dict[str, list[dict[str, Any]]] = {}
-    for r in records(df):
+    rows_all = records(df)
+    repro_links = _copy_repros(site, rows_all)
+    for r in rows_all:
+        r["repro_link"] = repro_links.get(str(r.get("repro_path") or ""), "")
         by_model.setdefault(r["model_id"], []).append(r)
     for model, rows in by_model.items():
         site.render(

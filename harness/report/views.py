@@ -173,7 +173,7 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
 _FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
            "signal")
-_NUMBERS = ("rmse_ratio", "max_abs_err", "max_rel_err", "min_cosine")
+_NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine")
 _TIMINGS = (
     ("load (s)", "load_time_s"),
     ("reference (s)", "ref_time_s"),
@@ -230,6 +230,11 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")]
         + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else []),
         "drift_module": _text(r.get("first_drift_module")),
+        "drift_op": _text(r.get("first_drift_op")),
+        "drift_op_module": _text(r.get("first_drift_op_module")),
+        "drift_op_inputs": ", ".join(r.get("first_drift_op_inputs") or []),
+        "repro_link": _text(r.get("repro_link")),
+        "contract": _text(r.get("contract")),
         "drift_module_type": _text(r.get("first_drift_module_type")),
         "numbers": [
             (key, fmt(r.get(key), 9 if key == "min_cosine" else 3))
