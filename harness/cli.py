@@ -176,6 +176,8 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     if not args.op_check:
         options["op_check"] = False  # a different rule judged the run: part of its identity
     settings = adapter.check_settings(options)
+    if args.seed:
+        settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
     return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
                      mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
 
@@ -194,7 +196,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
         db = args.db or os.path.join(tmp, "check.db")
         summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
-        with ResultStore(db) as store:
+        with ResultStore(db, read_only=True) as store:
             row = clean_row(store.results(summary.run_id).iloc[0].to_dict())
     if args.json:
         print(json.dumps(row, indent=2, default=str))
@@ -214,6 +216,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         wanted = set(args.only.split(","))
         entries = [e for e in entries if e.id in wanted or e.arch in wanted]
     entries = shard(entries, args.shard)
+    if args.limit < 0:
+        raise ValueError(f"--limit {args.limit}: must be >= 0 (0: no limit)")
     if args.limit:
         entries = entries[: args.limit]
     if not entries:
@@ -226,6 +230,10 @@ def cmd_run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard, resume=args.resume,
                          argv=" ".join(sys.argv))
+    if args.resume:
+        print(f"portharness: resumed run {summary.resumed_run} ({summary.resumed_skipped} models already done)"
+              if summary.resumed_run else "portharness: no unfinished run matches (list, target, settings, shard); "
+              "started a new one", file=sys.stderr)
     done = summary.rows_written
     print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
           + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
@@ -413,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         print("portharness: interrupted; finished rows are saved (use --resume)", file=sys.stderr)
         return 130
     except Exception as e:
+        startup = sys.modules.get("harness.run.runner")
+        if startup is not None and isinstance(e, startup.WorkerStartupError):
+            print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+            return 1
         if not _is_input_error(e):
             raise
         print(f"portharness {args.command}: error: {e}", file=sys.stderr)

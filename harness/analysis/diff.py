@@ -250,7 +250,7 @@ def resolve_runs(
     for p in {head_path, base_path}:
         if not Path(p).exists():
             raise StoreError(f"{p} does not exist")
-    with ResultStore(head_path, create=False) as hs:
+    with ResultStore(head_path, read_only=True) as hs:
         head_id = head or hs.latest_run(has_results=True)
         if head_id is None:
             raise StoreError(f"{head_path} contains no model results")
@@ -263,7 +263,7 @@ def resolve_runs(
                     "pass --base RUN or --base-db PATH"
                 )
             return (base_id, hs.results(base_id)), (head_id, head_df)
-    with ResultStore(base_path, create=False) as bs:
+    with ResultStore(base_path, read_only=True) as bs:
         base_id = base or bs.latest_run(has_results=True)
         if base_id is None:
             raise StoreError(f"{base_path} contains no model results")

@@ -68,7 +68,7 @@ def latest_per_key(df: pd.DataFrame) -> pd.DataFrame:
 
 def load_results(db: str | os.PathLike, run_id: str | None = None) -> tuple[str, pd.DataFrame]:
     """Open ``db`` read-side and return (run id, results) for ``run_id`` or the latest run."""
-    with ResultStore(db, create=False) as st:
+    with ResultStore(db, read_only=True) as st:
         rid = run_id or st.latest_run(has_results=True)
         if rid is None:
             raise StoreError(f"{db} contains no model results yet; run `portharness run --db {db}` first.")

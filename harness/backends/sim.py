@@ -35,6 +35,12 @@ class SimAdapter(Adapter):
         ops = out.setdefault("ops", "young")
         if ops not in profile_names() and not os.path.isfile(ops):
             raise ValueError(f"--ops {ops!r}: expected one of {', '.join(profile_names())} or a profile file")
+        if ops not in profile_names():
+            from pathlib import Path
+
+            from harness.sim.opset import read_profile
+
+            read_profile(Path(ops))  # a malformed file fails here, not in every worker
         if out.get("fallback", "off") not in ("off", "cpu"):
             raise ValueError(f"--fallback {out['fallback']!r}: sim supports off or cpu")
         if "numerics" in out:

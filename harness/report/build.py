@@ -78,7 +78,7 @@ def _load(
     db_path: str | os.PathLike, run_id: str | None, base_run: str | None, base_db: str | os.PathLike | None
 ) -> _RunData:
     """Read the run (default: the latest with results) and everything around it from the store."""
-    with ResultStore(db_path, create=False) as store:
+    with ResultStore(db_path, read_only=True) as store:
         rid = run_id or store.latest_run(has_results=True) or store.latest_run()
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
@@ -118,7 +118,7 @@ def _resolve_base(
 ) -> tuple[str, pd.DataFrame, str] | None:
     """(base run id, its results, where from), or None when there is nothing to compare with."""
     if base_db is not None:
-        with ResultStore(base_db, create=False) as bs:
+        with ResultStore(base_db, read_only=True) as bs:
             rid = base_run or bs.latest_run(has_results=True)
             if rid is None:
                 raise StoreError(f"base DB {base_db} contains no runs")

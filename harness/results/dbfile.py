@@ -20,15 +20,44 @@ class StoreError(RuntimeError):
     """The DB file cannot be used as a portharness store (corrupt, foreign, newer schema, missing)."""
 
 
-def connect_read_only(path: Path) -> sqlite3.Connection:
-    """A read-only connection that never creates, locks or writes anything next to `path`."""
+def _connect(path: Path, query: str) -> sqlite3.Connection:
     return sqlite3.connect(
-        f"{path.resolve().as_uri()}?mode=ro",
-        uri=True,
-        timeout=BUSY_TIMEOUT_MS / 1000,
-        isolation_level=None,
+        f"{path.resolve().as_uri()}?{query}", uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
         check_same_thread=False,
     )
+
+
+def connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection that writes nothing to `path`.
+
+    ``mode=ro`` still needs to create the WAL's shared-memory file next to a WAL database, which a
+    read-only directory (an artifact mount, a CD, chmod a-w) refuses; there the file is opened
+    ``immutable`` instead: nobody can be writing it if nobody may."""
+    con = _connect(path, "mode=ro")
+    try:
+        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return con
+    except sqlite3.OperationalError as exc:
+        con.close()
+        if "unable to open" not in str(exc) and "readonly" not in str(exc) and "read-only" not in str(exc):
+            raise
+    return _connect(path, "mode=ro&immutable=1")
+
+
+def check_integrity(path: Path) -> None:
+    """SQLite's own quick_check over every page, read-only: StoreError if any page is damaged."""
+    con = connect_read_only(path)
+    try:
+        problems = [r[0] for r in con.execute("PRAGMA quick_check(5)").fetchall()]
+    except sqlite3.DatabaseError as exc:
+        problems = [str(exc)]
+    finally:
+        con.close()
+    if problems != ["ok"]:
+        raise StoreError(
+            f"{path} fails SQLite's integrity check ({'; '.join(problems)[:300]}); it was left untouched. "
+            "Restore it from a backup/artifact or pass another --db path."
+        )
 
 
 def inspect(path: Path) -> str:

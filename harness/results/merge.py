@@ -82,7 +82,7 @@ def merge_stores(
     opened = []
     try:
         for s in src_paths:
-            opened.append(ResultStore(s, create=False))
+            opened.append(ResultStore(s, read_only=True))
         runs = [r for st in opened for r in st.raw_runs()]
         mapping = _combine_run_ids(runs) if combine_shards else {}
         with ResultStore(dst_path, create=True) as out:

@@ -30,6 +30,7 @@ from harness.results.dbfile import (
     BUSY_TIMEOUT_MS,
     SCHEMA_VERSION,
     StoreError,
+    check_integrity,
     connect_read_only,
     inspect,
 )
@@ -109,9 +110,13 @@ _SCHEMA = [
 class ResultStore:
     """A portharness SQLite DB. Safe for several processes; each ``record`` is committed at once."""
 
-    def __init__(self, path: str | os.PathLike, *, create: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, create: bool = True, read_only: bool = False) -> None:
+        """Open the DB at `path`: for writing (created if `create`; its pages checked first), or
+        `read_only` (readers: nothing is written, not even a missing column, and read-only media work)."""
         self.path = Path(path)
         state = inspect(self.path)
+        if read_only and state != "ours":
+            create = False
         if state == "missing" and not create:
             raise StoreError(f"{self.path} does not exist; run `portharness run --db {self.path}` first.")
         if state == "missing" and not self.path.parent.exists():
@@ -120,9 +125,11 @@ class ResultStore:
             raise StoreError(f"{self.path} is empty (no portharness schema); nothing to read.")
         self._lock = threading.RLock()
         # A DB we may not write (read-only artifact, mount or file) is still readable for matrix/report/diff.
-        self.read_only = state == "ours" and not (
+        self.read_only = read_only or (state == "ours" and not (
             os.access(self.path, os.W_OK) and os.access(self.path.parent.resolve(), os.W_OK)
-        )
+        ))
+        if state == "ours" and not read_only:
+            check_integrity(self.path)  # never add rows to a DB with damaged pages
         try:
             if self.read_only:
                 self._con = connect_read_only(self.path)
@@ -267,6 +274,7 @@ class ResultStore:
         list_name: str | None = None,
         target: str | None = None,
         settings: dict | None = None,
+        shard: str | None = None,
         unfinished_only: bool = False,
         has_results: bool = False,
         has_collectives: bool = False,
@@ -287,6 +295,9 @@ class ResultStore:
         if settings is not None:
             where.append("settings=?")
             params.append(canonical_json(settings))
+        if shard is not None:
+            where.append("shard=?")
+            params.append(shard)
         if unfinished_only:
             where.append("finished_at=''")
         if has_results:
@@ -298,8 +309,10 @@ class ResultStore:
                 return None
             where.append("EXISTS (SELECT 1 FROM collective_faults f WHERE f.run_id=runs.run_id)")
         clause = f"WHERE {' AND '.join(where)}" if where else ""
+        # To resume, a run with rows beats an empty one (an aborted start must not hide real work).
+        first = "EXISTS (SELECT 1 FROM results x WHERE x.run_id=runs.run_id) DESC, " if unfinished_only else ""
         rows = self._query(
-            f"SELECT run_id FROM runs {clause} ORDER BY started_at DESC, rowid DESC LIMIT 1", params
+            f"SELECT run_id FROM runs {clause} ORDER BY {first}started_at DESC, rowid DESC LIMIT 1", params
         )
         return rows[0]["run_id"] if rows else None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness.backends import load_backends, resolve_target
+from harness.backends import adapter_for, load_backends, resolve_target
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
@@ -43,10 +43,27 @@ class RunConfig:
     mem_cap_mb: int | None = 8192  # address space a worker may add after start-up
     seed: int = 0
     localize: bool = True
+    startup_timeout_s: float = 300.0  # a worker that is not ready by then fails the run with a clear error
     devices: list[str] | None = None  # default: every device of the target's type
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
     progress: bool = True
+
+
+    def validate(self) -> None:
+        """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
+        checks = [
+            (self.jobs >= 1, f"--jobs {self.jobs}: need at least 1 worker"),
+            (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
+            (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
+            (self.spare >= 0, f"--spare {self.spare}: must be >= 0"),
+            (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
+            (self.mem_cap_mb is None or self.mem_cap_mb >= 0, f"--mem-cap-mb {self.mem_cap_mb}: must be >= 0 (0: no cap)"),
+            (self.startup_timeout_s > 0, f"startup timeout {self.startup_timeout_s}: must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 @dataclass
@@ -61,6 +78,7 @@ class RunSummary:
     faults_seen: int
     spares_used: list[str] = field(default_factory=list)
     unfinished: int = 0
+    resumed_run: str | None = None  # the unfinished run this one continued
     with_fallback: dict[str, int] = field(default_factory=dict)  # outcome -> rows that used CPU fallback
 
     @property
@@ -90,10 +108,19 @@ def run_models(
     resume: bool = False,
     argv: str = "",
 ) -> RunSummary:
-    """Run every entry on the target and record one row each in the store at `db_path`."""
+    """Run every entry on the target and record one row each in the store at `db_path`.
+
+    Everything that can be wrong with the configuration or the target is found before the DB is opened,
+    so bad input leaves it as it was."""
+    config.validate()
+    shard(entries, shard_spec)  # validates the spec
+    load_backends(config.backends)
+    _adapter, found = resolve_target(config.target)
+    fleet = policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
+                         quarantine_after=config.quarantine_after, retries=config.retries)
     store = ResultStore(db_path)
     try:
-        return _Run(entries, config, store, list_name, shard_spec, resume, argv).run()
+        return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv).run()
     finally:
         store.close()
 
@@ -113,18 +140,21 @@ def _death(w: Worker, timeout_s: float) -> Measurement:
                        exit_code=None if sig else code, error_message=f"worker process on {w.key} died: {name}")
 
 
+class WorkerStartupError(RuntimeError):
+    """Workers cannot start at all (an environment problem, not a model's): the run stops, resumable."""
+
+
 class _Run:
-    def __init__(self, entries, config, store, list_name, shard_spec, resume, argv) -> None:
+    def __init__(self, entries, config, store, fleet, list_name, shard_spec, resume, argv) -> None:
         self.cfg: RunConfig = config
         self.store: ResultStore = store
+        self.fleet: policy.Fleet = fleet
         settings = dict(config.settings)
-        # Everything that can be wrong with the target is found before a run row is written.
-        load_backends(config.backends)
-        adapter, found = resolve_target(config.target)
-        devices = list(config.devices or found)
-        active, spares = policy.split_devices(devices, config.spare)
-        run_id = store.latest_run(list_name=list_name, target=config.target, settings=settings, unfinished_only=True)
+        adapter = adapter_for(config.target)
+        run_id = store.latest_run(list_name=list_name, target=config.target, settings=settings, shard=shard_spec,
+                                  unfinished_only=True)
         done: set[str] = set()
+        self.resumed_run = run_id if resume else None
         if resume and run_id is not None:
             done = store.finished_ids(run_id)
         else:
@@ -136,7 +166,6 @@ class _Run:
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
-        self.fleet = policy.Fleet(active, spares, quarantine_after=config.quarantine_after, retries=config.retries)
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
         threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
@@ -147,6 +176,7 @@ class _Run:
             # the forkserver's environment is from whenever it started; workers get today's
             lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
             timeout_s=config.timeout_s,
+            startup_timeout_s=config.startup_timeout_s,
         )
         self.startup_failures = 0
         self.pending = 0  # rows recorded as device_error: re-run on resume
@@ -261,13 +291,15 @@ class _Run:
             return
         if ev.kind == "ready":
             return
-        if ev.kind == "died" and not w.ready:
+        if ev.kind in ("died", "startup") and not w.ready:
             self.startup_failures += 1
             if self.startup_failures >= 3:
                 code, sig = w.death()
-                raise RuntimeError(
-                    f"worker processes for {w.key} keep dying at start-up (exit code {code}, signal {sig}); "
-                    "run `portharness check` on one model to see the error"
+                why = (f"were not ready within {self.cfg.startup_timeout_s:.0f}s" if ev.kind == "startup"
+                       else f"keep dying at start-up (exit code {code}, signal {sig})")
+                raise WorkerStartupError(
+                    f"worker processes for {w.key} {why}; the run is resumable. Run `portharness check` on one "
+                    "model to see the error"
                 )
         if w.busy:
             self._settle(w, _death(w, self.cfg.timeout_s))
@@ -300,5 +332,6 @@ class _Run:
             faults_seen=self.fleet.faults_seen,
             spares_used=list(self.fleet.spares_used),
             unfinished=unfinished,
+            resumed_run=self.resumed_run,
             with_fallback=dict(self.with_fallback),
         )

@@ -21,6 +21,7 @@ Switch: env ``PORTHARNESS_SIM_OPS``, `set_op_profile()`, or the `op_profile()` c
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,13 +54,24 @@ def profile_names() -> list[str]:
     return sorted(["full"] + [p.stem for p in PROFILE_DIR.glob("*.txt")])
 
 
+_OP_NAME = re.compile(r"^[A-Za-z_]\w*::\w+(\.\w+)?$")
+
+
 def read_profile(path: Path) -> frozenset[str]:
+    """The ops a profile file lists; ValueError naming the file and line of anything that is not one."""
     ops = set()
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"{path}: cannot read as a text op profile ({e})") from None
+    for lineno, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if line:
-            if not line.startswith(("aten::", "prims::", "_")) and "::" not in line:
-                raise ValueError(f"{path}: bad op name {line!r}; expected 'namespace::op[.overload]'")
+            if not _OP_NAME.match(line):
+                raise ValueError(
+                    f"{path}:{lineno}: bad op name {line!r}; expected one 'namespace::op[.overload]' per line, "
+                    "e.g. aten::add.Tensor"
+                )
             ops.add(line)
     return frozenset(ops)
 
