@@ -32,10 +32,9 @@ calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..."
 reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
 NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
 
-Known limits, both PyTorch's: the Python-registered device guard reports one device to the
-autograd engine, so ``backward()`` through tensors on ``sim:1`` and up fails inside the engine; and
-an exception inside an op the engine runs on its device thread would abort the process, so sim
-defers it (NaN outputs) and raises it when ``backward()`` returns / at the next sim call.
+Autograd runs on every ``sim:N``: sim's device guard is native (``native``, built on first use),
+because the one torch accepts from Python reports a single device to the autograd engine. The
+engine reads the device count once, at the first backward.
 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
@@ -44,7 +43,8 @@ Only one backend can own PrivateUse1 in a process, so sim is loaded only when as
 import (the harness does it only for a ``sim`` target), or at ``import torch`` through the
 ``torch.backends`` entry point when ``PORTHARNESS_SIM_AUTOLOAD=1`` is set.
 
-This package depends only on torch; nothing here knows about the harness runner.
+This package depends only on torch (and, once, a C++ compiler to build `native`); nothing here knows
+about the harness runner.
 """
 
 from __future__ import annotations
@@ -106,11 +106,6 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
 def _register() -> None:
     global _registered
     if _registered:
@@ -125,9 +120,10 @@ def _register() -> None:
 
     if current == BACKEND_NAME and hasattr(torch, BACKEND_NAME):
         raise RuntimeError("a different 'sim' backend is already registered in this process")
-    _setup_privateuseone_for_python_backend(
-        BACKEND_NAME, backend_module=_device_mod, hook=_Hooks(), device_guard=_Guard()
-    )
+    # The native device guard and allocator go in first: torch's Python guard (which the call below
+    # would otherwise install) reports a single device. See native.py.
+    _device_mod._ext.register()
+    _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
     from . import kernels
 
     kernels.register()

@@ -10,30 +10,29 @@ without them it dies on an internal AssertionError, so these stand-ins raise a c
 `NotImplementedError` instead. That is also how FlexAttention fails when it reaches sim through
 compilation (transformers' ``attn_implementation="flex_attention"`` compiles `create_block_mask`):
 the message names it.
+
+The current device (and stream) is per thread, as on CUDA, and lives in the native device guard
+(``native``), so `torch.sim.set_device`, `torch.accelerator.set_device_index` and the autograd
+engine's per-device worker threads agree.
 """
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-DEVICE_COUNT_ENV = "PORTHARNESS_SIM_DEVICES"
-DEFAULT_DEVICE_COUNT = 2
-
-
-def _read_device_count() -> int:
-    raw = os.environ.get(DEVICE_COUNT_ENV, str(DEFAULT_DEVICE_COUNT))
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count") from None
-    if n < 1:
-        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count")
-    return n
+from .indices import (  # noqa: F401  the index helpers other modules reach through here
+    DEFAULT_DEVICE_COUNT,
+    DEVICE_COUNT_ENV,
+    _check_index,
+    _index_of,
+    current_device,
+    device_count,
+)
+from .native import ext as _ext
 
 
 class _PerDevice(dict):
@@ -48,8 +47,6 @@ class _PerDevice(dict):
         return value
 
 
-_read_device_count()  # a bad value fails the import, with the message above
-_current = 0
 _generators: dict[int, torch.Generator] = _PerDevice(lambda _i: torch.Generator())
 
 
@@ -65,51 +62,19 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-def device_count() -> int:
-    # Read on every call, not once at import: a supervisor process that imported sim long ago must see
-    # the count its workers (started with today's environment) will see.
-    return _read_device_count()
-
-
-def _check_index(index: int) -> int:
-    count = _read_device_count()
-    if not 0 <= index < count:
-        raise RuntimeError(
-            f"sim device index {index} out of range: {count} simulated devices "
-            f"(set {DEVICE_COUNT_ENV} to simulate more)"
-        )
-    return index
-
-
-def _index_of(device: torch.device | str | int | None) -> int:
-    if device is None:
-        return _current
-    if isinstance(device, int):
-        return _check_index(device)
-    device = torch.device(device)
-    if device.type != "sim":
-        raise ValueError(f"expected a sim device, got {device}")
-    return _current if device.index is None else _check_index(device.index)
-
-
-def current_device() -> int:
-    return _current
-
-
 def set_device(device: torch.device | str | int) -> None:
-    global _current
-    _current = _index_of(device)
+    _ext.set_device(_index_of(device))
 
 
 @contextmanager
 def device(dev: torch.device | str | int) -> Iterator[None]:
     """Make `dev` the current sim device inside the block (like `torch.cuda.device`)."""
-    global _current
-    prev, _current = _current, _index_of(dev)
+    prev = _ext.current_device()
+    _ext.set_device(_index_of(dev))
     try:
         yield
     finally:
-        _current = prev
+        _ext.set_device(prev)
 
 
 def synchronize(device: torch.device | str | int | None = None) -> None:
@@ -123,7 +88,7 @@ def generator(index: int) -> torch.Generator:
 
 
 def manual_seed(seed: int) -> None:
-    _generators[_current].manual_seed(int(seed))
+    _generators[current_device()].manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
@@ -132,7 +97,7 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    _generators[_current].seed()
+    _generators[current_device()].seed()
 
 
 def seed_all() -> None:
@@ -141,7 +106,7 @@ def seed_all() -> None:
 
 
 def initial_seed() -> int:
-    return _generators[_current].initial_seed()
+    return _generators[current_device()].initial_seed()
 
 
 def get_rng_state(device: torch.device | str | int = "sim") -> torch.Tensor:

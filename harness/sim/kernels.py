@@ -46,7 +46,7 @@ _lib = torch.library.Library("aten", "IMPL")
 
 
 def _index(device: torch.device | None) -> int:
-    return _device._index_of(device) if device is not None else _device._current
+    return _device._index_of(device) if device is not None else _device.current_device()
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

@@ -22,11 +22,8 @@ from the schema once and cached in `facts.Facts`.
 from __future__ import annotations
 
 import importlib
-import threading
 
 import torch
-from torch.utils._pytree import tree_leaves as pytree_leaves
-from torch.utils._pytree import tree_map as pytree_map
 
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
@@ -34,6 +31,8 @@ _facts = importlib.import_module(".facts", __package__)
 _fallback = importlib.import_module(".fallback", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
+_native = importlib.import_module(".native", __package__).ext
+_current_device = _native.current_device
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -45,6 +44,7 @@ _STRIDED = torch.strided
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = aten.set_.source_Storage_storage_offset
 _TENSOR_DATA = torch._C.TensorBase.data  # the C-level `.data` descriptor SimTensor.data extends
+
 
 class SimTensor(torch.Tensor):
     """A tensor on a simulated accelerator. Use `.cpu()` / `.to("cpu")` to get host data back."""
@@ -75,10 +75,6 @@ class SimTensor(torch.Tensor):
         if self.dim() == 0:
             return self.item().__format__(spec)
         return object.__format__(self, spec)
-
-    def backward(self, *args, **kwargs) -> None:
-        _Tensor.backward(self, *args, **kwargs)
-        _raise_deferred()  # an op that failed on the autograd device thread fails this call
 
     def tolist(self) -> list | int | float | bool:
         """Host copy as (nested) Python lists, as on any accelerator."""
@@ -252,174 +248,118 @@ def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: d
     return result
 
 
-# An error raised inside an op that the autograd engine runs on its sim device thread must not
-# reach C++: torch's Python device guard calls back into Python while the exception is unwinding
-# and the process aborts ("terminate called without an active exception"). So such an op returns
-# NaN-filled outputs of the right shapes (computed on meta), and the error is raised at the next
-# sim call on a normal thread (or when `backward()` returns), the way CUDA reports asynchronous
-# errors at the next synchronizing call.
-_deferred: BaseException | None = None
-
-
-def _defer(error: BaseException, func, args: tuple, kwargs: dict | None):
-    global _deferred
-    if _deferred is None:
-        if hasattr(error, "add_note"):
-            error.add_note(f"(raised by '{_opset.op_name(func)}' during backward on the autograd device "
-                           "thread; reported at the next sim call)")
-        _deferred = error
-
-    def meta(x):
-        if isinstance(x, torch.Tensor):
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if type(x) is torch.device:
-            return torch.device("meta")
-        return x
-
-    try:
-        out = func(*pytree_map(meta, args), **pytree_map(meta, kwargs or {}))
-    except Exception:
-        raise error from None  # cannot even fake the shapes: abort is all that is left
-    idx = next((x._idx for x in pytree_leaves((args, kwargs)) if type(x) is SimTensor), _device._current)
-
-    def poison(x):
-        if isinstance(x, torch.Tensor):
-            fill = float("nan") if x.is_floating_point() or x.is_complex() else 0
-            return _new(torch.full(x.shape, fill, dtype=x.dtype), idx)
-        return x
-
-    return pytree_map(poison, out)
-
-
-def _raise_deferred() -> None:
-    """Raise the error an op hit on the autograd device thread, if any (outside backward only)."""
-    global _deferred
-    if _deferred is None or (threading.current_thread() is not threading.main_thread()
-                             and torch._C._current_graph_task_id() >= 0):
-        return
-    error, _deferred = _deferred, None
-    raise error
-
-
 def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
     """`SimTensor.__torch_dispatch__`: every ATen op on a sim tensor lands here."""
-    if _deferred is not None:
-        _raise_deferred()
-    try:
-        if _trace is not None:
-            _trace.add(func)
-        # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
-        facts = _opset._profile._facts.get(id(func))
-        if facts is None:
-            facts = _facts.facts_for(func)
-        if not facts.allowed:
-            if _fallback._mode != "cpu":
-                raise _opset.unsupported_error(func)
-            _fallback.count(func)
+    if _trace is not None:
+        _trace.add(func)
+    # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
+    facts = _opset._profile._facts.get(id(func))
+    if facts is None:
+        facts = _facts.facts_for(func)
+    if not facts.allowed:
+        if _fallback._mode != "cpu":
+            raise _opset.unsupported_error(func)
+        _fallback.count(func)
 
-        # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
-        idx = -1
-        a = []
-        seen = None
-        for x in args:
-            t = type(x)
-            if t is SimTensor:
-                j = x._idx
-                if idx != j:
-                    if idx < 0:
-                        idx = j
-                    elif not facts.cross_ok:
-                        raise _mixed(func, f"sim:{idx}", f"sim:{j}")
-                a.append(x._inner)
-            elif (t is int or t is float or t is bool or x is None
-                  or ((t is list or t is tuple) and (not x or type(x[0]) is int))):
-                a.append(x)
-            else:
-                if seen is None:
-                    seen = _Seen(idx)
-                seen.idx = idx
-                a.append(_unwrap(x, seen, func, facts.cross_ok))
-                idx = seen.idx
-        k = kwargs
-        if k:
+    # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
+    idx = -1
+    a = []
+    seen = None
+    for x in args:
+        t = type(x)
+        if t is SimTensor:
+            j = x._idx
+            if idx != j:
+                if idx < 0:
+                    idx = j
+                elif not facts.cross_ok:
+                    raise _mixed(func, f"sim:{idx}", f"sim:{j}")
+            a.append(x._inner)
+        elif (t is int or t is float or t is bool or x is None
+              or ((t is list or t is tuple) and (not x or type(x[0]) is int))):
+            a.append(x)
+        else:
             if seen is None:
                 seen = _Seen(idx)
             seen.idx = idx
-            k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
+            a.append(_unwrap(x, seen, func, facts.cross_ok))
             idx = seen.idx
-        else:
-            k = _NO_KWARGS
-        if seen is not None:
-            if seen.cpu and not facts.cross_ok:
-                raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
-            dev = seen.dev
-            if func is aten._to_copy.default:
-                target = kwargs.get("device")
-                if target is not None and target.type != "sim":
-                    return func._op(*a, **k)  # leaving the device: plain CPU result
-                if dev is not None and dev.index is not None:
-                    idx = _device._check_index(dev.index)
-            elif idx < 0 and dev is not None:
-                idx = _device._index_of(dev)
-        if idx < 0:
-            idx = _device._current
+    k = kwargs
+    if k:
+        if seen is None:
+            seen = _Seen(idx)
+        seen.idx = idx
+        k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
+        idx = seen.idx
+    else:
+        k = _NO_KWARGS
+    if seen is not None:
+        if seen.cpu and not facts.cross_ok:
+            raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
+        dev = seen.dev
+        if func is aten._to_copy.default:
+            target = kwargs.get("device")
+            if target is not None and target.type != "sim":
+                return func._op(*a, **k)  # leaving the device: plain CPU result
+            if dev is not None and dev.index is not None:
+                idx = _device._check_index(dev.index)
+        elif idx < 0 and dev is not None:
+            idx = _device._index_of(dev)
+    if idx < 0:
+        idx = _current_device()
 
-        g = facts.generator
-        if g is not None:
-            if type(g) is str:
-                if k.get(g) is None:
-                    k = dict(k)
-                    k[g] = _device._generators[idx]
-            elif g < len(a):
-                if a[g] is None:
-                    a[g] = _device._generators[idx]
-            elif k.get("generator") is None:
+    g = facts.generator
+    if g is not None:
+        if type(g) is str:
+            if k.get(g) is None:
                 k = dict(k)
-                k["generator"] = _device._generators[idx]
+                k[g] = _device._generators[idx]
+        elif g < len(a):
+            if a[g] is None:
+                a[g] = _device._generators[idx]
+        elif k.get("generator") is None:
+            k = dict(k)
+            k["generator"] = _device._generators[idx]
 
-        red = facts.reduced
-        if red is not None and _precision._mode != "highest":
-            _precision.reduce_operands(a, red, args)
-        written = facts.written or facts.written_kw
-        if written and _precision._cache:
-            for i in facts.written:
-                if i < len(a):
-                    _precision.forget(a[i])
-            for n in facts.written_kw:
-                _precision.forget(k.get(n))
+    red = facts.reduced
+    if red is not None and _precision._mode != "highest":
+        _precision.reduce_operands(a, red, args)
+    written = facts.written or facts.written_kw
+    if written and _precision._cache:
+        for i in facts.written:
+            if i < len(a):
+                _precision.forget(a[i])
+        for n in facts.written_kw:
+            _precision.forget(k.get(n))
 
-        try:
-            out = facts.call(*a, **k)
-        except NotImplementedError as e:
-            if "from the 'CPU' backend" in str(e):
-                raise _opset.unsupported_error(func, missing_host_kernel=True) from None
-            raise
+    try:
+        out = facts.call(*a, **k)
+    except NotImplementedError as e:
+        if "from the 'CPU' backend" in str(e):
+            raise _opset.unsupported_error(func, missing_host_kernel=True) from None
+        raise
 
-        if written:
-            return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
-        if type(out) is _Tensor:
-            if out.layout is _STRIDED:  # _new, inlined
-                result = _make_wrapper(SimTensor, out.size(), strides=out.stride(),
-                                       storage_offset=out.storage_offset(), dtype=out.dtype,
-                                       device=_SIM_DEVICES[idx])
-                result._inner = out
-                result._idx = idx
-            else:
-                result = _new(out, idx)
-            if _faults._active and not facts.aliases:
-                _faults.on_launch(idx, [out])
-            return result
-        if out is None or not isinstance(out, (list, tuple)):
-            return out
-        fresh: list[torch.Tensor] = []
-        result = _wrap(out, idx, fresh)
-        if _faults._active and fresh and not facts.aliases:
-            _faults.on_launch(idx, fresh)
+    if written:
+        return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
+    if type(out) is _Tensor:
+        if out.layout is _STRIDED:  # _new, inlined
+            result = _make_wrapper(SimTensor, out.size(), strides=out.stride(),
+                                   storage_offset=out.storage_offset(), dtype=out.dtype,
+                                   device=_SIM_DEVICES[idx])
+            result._inner = out
+            result._idx = idx
+        else:
+            result = _new(out, idx)
+        if _faults._active and not facts.aliases:
+            _faults.on_launch(idx, [out])
         return result
-    except BaseException as e:
-        if threading.current_thread() is threading.main_thread() or torch._C._current_graph_task_id() < 0:
-            raise
-        return _defer(e, func, args, kwargs)
+    if out is None or not isinstance(out, (list, tuple)):
+        return out
+    fresh: list[torch.Tensor] = []
+    result = _wrap(out, idx, fresh)
+    if _faults._active and fresh and not facts.aliases:
+        _faults.on_launch(idx, fresh)
+    return result
 
 
 SimTensor.__torch_dispatch__ = classmethod(_dispatch)  # one Python frame less per op
