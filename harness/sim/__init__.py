@@ -24,6 +24,8 @@ numerics   PORTHARNESS_SIM_NUMERICS     set_numerics_bugs / numerics_bugs()   pl
 fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             off (default), cpu: ops
                                         fallback_counts()                     outside the profile run
                                                                               on the host, counted
+memory     PORTHARNESS_SIM_MEMORY_MB    set_memory_size / memory_size()       MiB per device, def.
+                                                                              host RAM; beyond: OOM
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
 
@@ -55,6 +57,7 @@ import torch
 
 from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
 from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
 from .precision import get_precision, precision, set_precision
@@ -71,11 +74,13 @@ __all__ = [
     "fallback_counts",
     "faults",
     "get_fallback",
+    "get_memory_size",
     "get_numerics_bugs",
     "get_op_profile",
     "get_precision",
     "injected_counts",
     "is_registered",
+    "memory_size",
     "numerics_bugs",
     "numerics_hits",
     "op_profile",
@@ -85,6 +90,7 @@ __all__ = [
     "reset_numerics_hits",
     "set_fallback",
     "set_faults",
+    "set_memory_size",
     "set_numerics_bugs",
     "set_op_profile",
     "set_precision",

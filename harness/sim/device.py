@@ -13,7 +13,8 @@ the message names it.
 
 The current device (and stream) is per thread, as on CUDA, and lives in the native device guard
 (``native``), so `torch.sim.set_device`, `torch.accelerator.set_device_index` and the autograd
-engine's per-device worker threads agree.
+engine's per-device worker threads agree. Memory (``memory``) and stream (``streams``) functions
+are re-exported here because this module is `torch.sim`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,31 @@ from .indices import (  # noqa: F401  the index helpers other modules reach thro
     current_device,
     device_count,
 )
+from .memory import (  # noqa: F401  torch.sim's memory API
+    empty_cache,
+    get_memory_size,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_size,
+    memory_stats,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_peak_memory_stats,
+    set_memory_size,
+)
 from .native import ext as _ext
+from .streams import (  # noqa: F401  torch.sim's stream API
+    Event,
+    Stream,
+    StreamContext,
+    current_stream,
+    default_stream,
+    set_stream,
+    stream,
+)
 
 
 class _PerDevice(dict):
@@ -136,6 +161,36 @@ def _is_autocast_enabled() -> bool:
 
 def get_device_name(device: torch.device | str | int | None = None) -> str:
     return f"portharness sim accelerator {_index_of(device)}"
+
+
+class DeviceProperties:
+    """What `torch.cuda.get_device_properties` reports, for a sim device (memory is simulated)."""
+
+    def __init__(self, index: int) -> None:
+        self.name = get_device_name(index)
+        self.index = index
+        self.type = "sim"
+        self.total_memory = get_memory_size(index)
+        self.major, self.minor = 1, 0
+        self.multi_processor_count = 1
+        self.is_integrated = False
+
+    def __repr__(self) -> str:
+        return (f"_SimDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB, "
+                f"major={self.major}, minor={self.minor}, multi_processor_count={self.multi_processor_count})")
+
+
+def get_device_properties(device: torch.device | str | int | None = None) -> DeviceProperties:
+    return DeviceProperties(_index_of(device))
+
+
+def get_device_capability(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    props = get_device_properties(device)
+    return props.major, props.minor
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True  # bf16 kernels are the CPU's
 
 
 def _no_compiler_message() -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
@@ -36,6 +37,7 @@ from .facts import register_host_impl
 from .tensor import SimTensor, to_sim
 
 _device = importlib.import_module(".device", __package__)
+_memory = importlib.import_module(".memory", __package__)
 _faults = importlib.import_module(".faults", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _tensor = importlib.import_module(".tensor", __package__)
@@ -49,13 +51,22 @@ def _index(device: torch.device | None) -> int:
     return _device._index_of(device) if device is not None else _device.current_device()
 
 
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return (dtype or torch.get_default_dtype()).itemsize
+
+
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    idx = _index(device)
+    _memory.check_fits(idx, math.prod(size) * _itemsize(dtype))  # refuse before the host allocates
     t = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format or torch.contiguous_format)
-    return to_sim(t, _index(device))
+    return to_sim(t, idx)
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    return to_sim(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index(device))
+    idx = _index(device)
+    extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
+    _memory.check_fits(idx, extent * _itemsize(dtype))
+    return to_sim(torch.empty_strided(size, stride, dtype=dtype, layout=layout), idx)
 
 
 def _copy_from(self, dst, non_blocking=False):

@@ -29,9 +29,11 @@ _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
 _facts = importlib.import_module(".facts", __package__)
 _fallback = importlib.import_module(".fallback", __package__)
+_memory = importlib.import_module(".memory", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
 _native = importlib.import_module(".native", __package__).ext
+_claim = _native.claim  # (tensor._cdata, device, enforce) -> 0, or the bytes that did not fit
 _current_device = _native.current_device
 
 aten = torch.ops.aten
@@ -124,6 +126,7 @@ def _new(inner: torch.Tensor, idx: int) -> SimTensor:
 
 
 def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
+    _memory.claim(inner, idx)
     return _new(inner, idx)
 
 
@@ -203,6 +206,7 @@ def _resync(w: SimTensor) -> None:
     """Make the wrapper's sizes/strides/offset match its inner tensor again after an in-place change."""
     x = w._inner
     _set_storage.redispatch(_CPU_KEYS, w, w.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+    _memory.claim(x, w._idx)  # a resize gave the host tensor new memory
 
 
 def _pair(back: dict[int, object], orig, inn) -> None:
@@ -211,6 +215,20 @@ def _pair(back: dict[int, object], orig, inn) -> None:
             back[id(i)] = o
     elif orig is not None:
         back[id(inn)] = orig
+
+
+def _rewrap(o, back: dict[int, object], idx: int, fresh: list):
+    # Module level, not a closure: a recursive closure is a reference cycle, which would keep every
+    # written tensor (and its device memory) alive until the garbage collector runs.
+    if isinstance(o, torch.Tensor):
+        hit = back.get(id(o))
+        if hit is not None:
+            return hit
+        fresh.append(o)
+        return _new(o, idx)
+    if isinstance(o, (list, tuple)):
+        return type(o)(_rewrap(y, back, idx, fresh) for y in o)
+    return o
 
 
 def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: dict, out, idx: int):
@@ -230,19 +248,9 @@ def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: d
             if x.shape != w.shape or x.stride() != w.stride() or x.storage_offset() != w.storage_offset():
                 _resync(w)
     fresh: list[torch.Tensor] = []
-
-    def rewrap(o):
-        if isinstance(o, torch.Tensor):
-            hit = back.get(id(o))
-            if hit is not None:
-                return hit
-            fresh.append(o)
-            return _new(o, idx)
-        if isinstance(o, (list, tuple)):
-            return type(o)(rewrap(y) for y in o)
-        return o
-
-    result = rewrap(out)
+    result = _rewrap(out, back, idx, fresh)
+    for t in fresh:
+        _memory.claim(t, idx)
     if fresh and _faults._active:
         _faults.on_launch(idx, fresh)
     return result
@@ -350,15 +358,22 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
             result._idx = idx
         else:
             result = _new(out, idx)
-        if _faults._active and not facts.aliases:
-            _faults.on_launch(idx, [out])
+        if not facts.aliases:
+            short = _claim(out._cdata, idx, True)  # count the new memory on the device
+            if short:
+                raise _memory.out_of_memory(idx, short)
+            if _faults._active:
+                _faults.on_launch(idx, [out])
         return result
     if out is None or not isinstance(out, (list, tuple)):
         return out
     fresh: list[torch.Tensor] = []
     result = _wrap(out, idx, fresh)
-    if _faults._active and fresh and not facts.aliases:
-        _faults.on_launch(idx, fresh)
+    if not facts.aliases:
+        for t in fresh:
+            _memory.claim(t, idx)
+        if _faults._active and fresh:
+            _faults.on_launch(idx, fresh)
     return result
 
 
@@ -366,7 +381,9 @@ SimTensor.__torch_dispatch__ = classmethod(_dispatch)  # one Python frame less p
 
 
 def to_sim(t: torch.Tensor, index: int = 0) -> SimTensor:
-    """Wrap a CPU tensor's data as a sim tensor without a copy (for kernels in this package)."""
+    """Wrap a CPU tensor's data as a sim tensor without a copy (for kernels in this package); its
+    storage now counts as memory of ``sim:index`` (OOM if it does not fit)."""
+    _memory.claim(t, index)
     return _new(t, index)
 
 
