@@ -1,15 +1,18 @@
 """sim's device runtime: per-thread current device, simulated memory (accounting, size, OOM),
-streams and events, device properties, and the native library's build cache.
+streams and events, device properties, storages and data pointers, torch.save/load, and the
+native library's build cache.
 
 Subprocess tests cover what is fixed at import time (env vars, building the native library).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -153,6 +156,45 @@ def test_streams_and_events():
     assert end.query() and start.elapsed_time(end) >= 0
     assert s.record_event().query()
     assert y.item() == 6.0
+
+
+# --- storages, data pointers, serialization -------------------------------------------------------
+
+
+def test_storages_and_data_pointers_behave_like_a_device():
+    a = torch.arange(6.0, device="sim")
+    v = a.view(2, 3)[1]
+    b = torch.arange(6.0, device="sim")
+    sa, sv = a.untyped_storage(), v.untyped_storage()
+    assert sa.device == torch.device("sim", 0) and sa.nbytes() == 24
+    assert sa.data_ptr() == sv.data_ptr() and sa is sv  # one storage for all views
+    assert b.untyped_storage().data_ptr() != sa.data_ptr()
+    assert v.data_ptr() == a.data_ptr() + 3 * 4
+    assert sa.cpu().tolist() == list(torch.arange(6.0).untyped_storage().tolist())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage is deprecated (torch.save still uses it)
+        assert a.storage().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    with sim.op_profile("young"):  # set_ to a sim storage: how torch rebuilds device tensors
+        t = torch.empty(0, device="sim").set_(sa, 3, (3,), (1,))
+    assert t.tolist() == [3.0, 4.0, 5.0] and t.data_ptr() == v.data_ptr()
+
+
+def test_torch_save_and_load_like_a_cuda_tensor(tmp_path):
+    w = torch.arange(6.0, device="sim:1").view(2, 3)
+    state = {"w": w, "row": w[1], "p": torch.nn.Parameter(torch.ones(2, device="sim"))}
+    path = tmp_path / "ckpt.pt"
+    torch.save(state, path)
+    back = torch.load(path)  # weights_only: a sim tensor pickles like any device tensor
+    assert back["w"].device == torch.device("sim", 1) and back["w"].tolist() == w.tolist()
+    assert back["row"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()  # still views
+    assert isinstance(back["p"], torch.nn.Parameter) and back["p"].device.type == "sim"
+    on_cpu = torch.load(path, map_location="cpu")
+    assert on_cpu["w"].device.type == "cpu" and torch.equal(on_cpu["w"], w.cpu())
+    buf = io.BytesIO()
+    torch.save({"x": torch.arange(4.0)}, buf)
+    buf.seek(0)
+    mapped = torch.load(buf, map_location="sim:1")["x"]
+    assert mapped.device == torch.device("sim", 1) and mapped.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 # --- the native library ---------------------------------------------------------------------------

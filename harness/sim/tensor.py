@@ -22,6 +22,7 @@ from the schema once and cached in `facts.Facts`.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 
 import torch
 
@@ -46,6 +47,8 @@ _STRIDED = torch.strided
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = aten.set_.source_Storage_storage_offset
 _TENSOR_DATA = torch._C.TensorBase.data  # the C-level `.data` descriptor SimTensor.data extends
+_wrapper_storage = torch._C.TensorBase.untyped_storage  # the wrapper's own (data-less) storage
+_storage_from_impl = torch.UntypedStorage._new_with_weak_ptr
 
 
 class SimTensor(torch.Tensor):
@@ -69,8 +72,14 @@ class SimTensor(torch.Tensor):
             return body[:-1] + suffix + ")"
         return body + suffix
 
-    def __reduce_ex__(self, proto: int):  # pickling moves host data, like torch.save of a cuda tensor
-        return (_rebuild, (self._inner, self._idx))
+    def __reduce_ex__(self, proto: int):
+        # What a real device tensor pickles to (storage + geometry, the storage saved with its "sim:N"
+        # location), so torch.load maps it like a cuda tensor and weights_only loading accepts it.
+        hooks: dict = OrderedDict()
+        if self.__dict__.get("_is_param"):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, hooks))
+        return (torch._utils._rebuild_tensor_v2, (self._typed_storage(), self.storage_offset(), tuple(self.size()),
+                                                   self.stride(), self.requires_grad, hooks))
 
     def __format__(self, spec: str) -> str:
         # torch formats 0-dim tensors as their value only for exact `Tensor`s (f"expert_{idx}").
@@ -89,6 +98,14 @@ class SimTensor(torch.Tensor):
                 "tensor to host memory first."
             )
         return _Tensor.cpu(self).numpy()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The device storage: a sim-typed alias of the host memory, shared by all views of it."""
+        ptr = _native.alias(self._inner._cdata, self._idx)
+        return _storage_from_impl(ptr) if ptr else _wrapper_storage(self)
+
+    def data_ptr(self) -> int:
+        return self._inner.data_ptr()
 
     @property
     def data(self) -> torch.Tensor:
@@ -123,11 +140,6 @@ def _new(inner: torch.Tensor, idx: int) -> SimTensor:
     r._inner = inner
     r._idx = idx
     return r
-
-
-def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
-    _memory.claim(inner, idx)
-    return _new(inner, idx)
 
 
 _trace: set | None = None
@@ -190,7 +202,17 @@ def _unwrap(x, seen: _Seen, func, cross_ok: bool):
     if t is torch.device and x.type == "sim":
         seen.dev = x
         return _CPU
+    if t is torch.UntypedStorage and x.device.type == "sim":  # set_(storage): the host memory behind it
+        seen.dev = x.device
+        return _host_storage(x)
     return x
+
+
+def _host_storage(s: torch.UntypedStorage) -> torch.UntypedStorage:
+    ptr = _native.host(s._cdata)
+    if not ptr:
+        raise RuntimeError(f"this {s.device} storage has no memory (its tensors were freed, or sim did not make it)")
+    return _storage_from_impl(ptr)
 
 
 def _wrap(x, idx: int, fresh: list):
@@ -205,7 +227,7 @@ def _wrap(x, idx: int, fresh: list):
 def _resync(w: SimTensor) -> None:
     """Make the wrapper's sizes/strides/offset match its inner tensor again after an in-place change."""
     x = w._inner
-    _set_storage.redispatch(_CPU_KEYS, w, w.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+    _set_storage.redispatch(_CPU_KEYS, w, _wrapper_storage(w), x.storage_offset(), x.size(), x.stride())
     _memory.claim(x, w._idx)  # a resize gave the host tensor new memory
 
 
