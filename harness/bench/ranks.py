@@ -91,7 +91,6 @@ def _ddp_setup(cfg: BenchConfig, specs: dict, rank: int, device, note: dict) -> 
     steps = {}
     for name, s in specs.items():
         model = build_from_config("causal-lm", GPT2Config(**DDP_CONFIG), seed=0).train().to(device)
-        model.tie_weights()  # .to("sim") unties lm_head from wte (a new Parameter per module); re-tie
         note["ddp_params"] = sum(p.numel() for p in model.parameters())
         with collective_settings(s):
             ddp = DDP(model, bucket_cap_mb=s.bucket_mb)

@@ -15,9 +15,8 @@ Use::
     with simdist.collective_settings(simdist.parse_setting("skinny")):
         dist.all_reduce(t)
 
-DDP trains on any sim device (``sim:{rank % device_count}``). One thing DDP on sim users meet that
-is not about communication: ``model.to("sim")`` unties tied weights (GPT-2's ``lm_head``/``wte``):
-call ``model.tie_weights()`` after moving.
+DDP trains on any sim device (``sim:{rank % device_count}``), and ``model.to("sim")`` keeps tied
+weights tied (GPT-2's ``lm_head``/``wte``), as on a real accelerator.
 
 This module depends only on torch, `harness.sim` and `harness.comms` (torch only).
 """

@@ -84,7 +84,9 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Rounded:
-    """The rounded copies of views of one parameter's storage, alive while the parameter is."""
+    """The rounded copies of views of one parameter's storage, alive while the parameter's host
+    tensor is (a weakref to the host tensor, not to the parameter: `torch.utils.swap_tensors`, how
+    Module.to/half move sim parameters, refuses tensors that have weakrefs)."""
 
     __slots__ = ("owner", "views")
 
@@ -124,6 +126,7 @@ def _rounded_operand(wrapper: object, x: torch.Tensor) -> torch.Tensor:
     owner = wrapper if base is None else base
     if not getattr(owner, "_is_param", False) or not x.numel():
         return x.to(torch.bfloat16).to(torch.float32)
+    owner = owner._inner
     ptr = x.untyped_storage().data_ptr()
     entry = _cache.get(ptr)
     if entry is None or entry.owner() is not owner:

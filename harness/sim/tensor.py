@@ -31,6 +31,7 @@ _faults = importlib.import_module(".faults", __package__)
 _facts = importlib.import_module(".facts", __package__)
 _fallback = importlib.import_module(".fallback", __package__)
 _memory = importlib.import_module(".memory", __package__)
+_moves = importlib.import_module(".moves", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
 _native = importlib.import_module(".native", __package__).ext
@@ -54,9 +55,10 @@ _storage_from_impl = torch.UntypedStorage._new_with_weak_ptr
 class SimTensor(torch.Tensor):
     """A tensor on a simulated accelerator. Use `.cpu()` / `.to("cpu")` to get host data back."""
 
+    # No __slots__: `torch.utils.swap_tensors` (how Module.to moves parameters onto a traceable
+    # subclass, keeping tied weights tied) needs the same slots as a plain Parameter.
     _inner: torch.Tensor
     _idx: int
-    __slots__ = ("_inner", "_idx")
 
     # Skips the Python-level __torch_function__ hop on every call: a large share of the overhead.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -81,6 +83,9 @@ class SimTensor(torch.Tensor):
         return (torch._utils._rebuild_tensor_v2, (self._typed_storage(), self.storage_offset(), tuple(self.size()),
                                                    self.stride(), self.requires_grad, hooks))
 
+    def __deepcopy__(self, memo: dict) -> SimTensor:
+        return _moves.deepcopy(self, memo)
+
     def __format__(self, spec: str) -> str:
         # torch formats 0-dim tensors as their value only for exact `Tensor`s (f"expert_{idx}").
         if self.dim() == 0:
@@ -99,6 +104,15 @@ class SimTensor(torch.Tensor):
             )
         return _Tensor.cpu(self).numpy()
 
+    def __tensor_flatten__(self) -> tuple[list[str], int]:
+        # Makes SimTensor a traceable wrapper subclass: Module._apply moves parameters onto it with
+        # swap_tensors (and torch.compile can trace it).
+        return ["_inner"], self._idx
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors: dict, idx: int, outer_size: object, outer_stride: object) -> SimTensor:
+        return _new(inner_tensors["_inner"], idx)
+
     def untyped_storage(self) -> torch.UntypedStorage:
         """The device storage: a sim-typed alias of the host memory, shared by all views of it."""
         ptr = _native.alias(self._inner._cdata, self._idx)
@@ -113,14 +127,14 @@ class SimTensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
+        if type(new) is not SimTensor:  # `param.data = host_tensor` (Module.cpu()): off the device
+            _moves.leave_device(self, new)
+            return
         # torch copies the wrapper's metadata from `new`; the host memory must follow it.
         _TENSOR_DATA.__set__(self, new)
         _precision.forget(self._inner)
-        if isinstance(new, SimTensor):
-            self._inner = new._inner
-            self._idx = new._idx
-        else:
-            self._inner = new
+        self._inner = new._inner
+        self._idx = new._idx
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # replaced by _dispatch below
