@@ -31,6 +31,7 @@ import importlib
 import math
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .facts import register_host_impl
@@ -79,12 +80,33 @@ def _copy_from(self, dst, non_blocking=False):
     return dst
 
 
-def _host_alias(t: torch.Tensor | None) -> torch.Tensor | None:
+def _host_alias(t: torch.Tensor | None, traced: bool) -> torch.Tensor | None:
     if not isinstance(t, SimTensor):
         return t
-    return t._inner.detach().requires_grad_() if t.requires_grad else t._inner
+    x = t._inner
+    if traced:  # a placeholder of x's layout (x is fake)
+        x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    return x.detach().requires_grad_() if t.requires_grad else x
 
 
+def _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The kernel the CPU would pick. The selector reads requires_grad (a mask that needs grad rules
+    out the fused kernel), which the inner host tensors never carry, so it gets aliases flagged like
+    the sim tensors. While torch.compile traces, the inner tensors are fake and the fake selector
+    always answers "math", so the real one is asked about placeholders, outside the tracing modes."""
+    args = [query, key, value, attn_mask]
+    inner = [a._inner for a in args if isinstance(a, SimTensor)]
+    if all(type(x) is torch.Tensor for x in inner):
+        hosts = [_host_alias(a, False) for a in args]
+        return torch._fused_sdp_choice(*hosts, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if not all(type(n) is int for x in inner for n in (*x.shape, *x.stride())):
+        return _MATH  # symbolic shapes: keep the traced answer
+    with _disable_current_modes():
+        hosts = [_host_alias(a, True) for a in args]
+        return torch._fused_sdp_choice(*hosts, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_MATH = 0  # sdp::SDPBackend::math
 _FLASH = 1  # sdp::SDPBackend::flash_attention
 
 
@@ -94,12 +116,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
             attn_mask.logical_not(), float("-inf")
         )
-    # The selector reads requires_grad (a mask that needs grad rules out the fused kernel), which the
-    # inner host tensors never carry, so hand it aliases flagged like the sim tensors.
-    choice = torch._fused_sdp_choice(
-        _host_alias(query), _host_alias(key), _host_alias(value), _host_alias(attn_mask), dropout_p,
-        is_causal, scale=scale, enable_gqa=enable_gqa,
-    )
+    choice = _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if choice == _FLASH:
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale

@@ -105,13 +105,16 @@ class SimTensor(torch.Tensor):
         return _Tensor.cpu(self).numpy()
 
     def __tensor_flatten__(self) -> tuple[list[str], int]:
-        # Makes SimTensor a traceable wrapper subclass: Module._apply moves parameters onto it with
-        # swap_tensors (and torch.compile can trace it).
+        # Makes SimTensor a traceable wrapper subclass: torch.compile (eager/aot_eager) traces it, and
+        # Module._apply moves parameters onto it with swap_tensors.
         return ["_inner"], self._idx
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors: dict, idx: int, outer_size: object, outer_stride: object) -> SimTensor:
-        return _new(inner_tensors["_inner"], idx)
+        inner = inner_tensors["_inner"]
+        if type(inner) is not _Tensor:  # torch.compile is tracing
+            _device.refuse_inductor()
+        return _new(inner, idx)
 
     def untyped_storage(self) -> torch.UntypedStorage:
         """The device storage: a sim-typed alias of the host memory, shared by all views of it."""
@@ -210,6 +213,17 @@ def _unwrap(x, seen: _Seen, func, cross_ok: bool):
             return out
         return t(_unwrap(y, seen, func, cross_ok) for y in x)
     if isinstance(x, torch.Tensor):
+        dev = x.device
+        if dev.type == "sim":
+            # A plain (fake) tensor on sim: a factory call traced by torch.compile, where fake mode
+            # makes factories itself. Its host equivalent is a copy to the CPU (in a traced graph too).
+            j = dev.index or 0
+            if seen.idx != j:
+                if seen.idx < 0:
+                    seen.idx = j
+                elif not cross_ok:
+                    raise _mixed(func, f"sim:{seen.idx}", f"sim:{j}")
+            return x.to("cpu")
         if x.dim() > 0:
             seen.cpu = True  # a non-scalar CPU tensor; 0-dim ones act as scalars, as on CUDA
         return x
@@ -230,7 +244,7 @@ def _host_storage(s: torch.UntypedStorage) -> torch.UntypedStorage:
 
 
 def _wrap(x, idx: int, fresh: list):
-    if type(x) is _Tensor:
+    if isinstance(x, _Tensor) and type(x) is not SimTensor:  # also fake/functional ones (torch.compile)
         fresh.append(x)
         return _new(x, idx)
     if isinstance(x, (list, tuple)):
@@ -401,6 +415,8 @@ def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
             if _faults._active:
                 _faults.on_launch(idx, [out])
         return result
+    if isinstance(out, _Tensor):  # a fake/functional tensor: torch.compile is tracing
+        return _new(out, idx)
     if out is None or not isinstance(out, (list, tuple)):
         return out
     fresh: list[torch.Tensor] = []
