@@ -29,14 +29,27 @@ memory     PORTHARNESS_SIM_MEMORY_MB    set_memory_size / memory_size()       Mi
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
 
+It behaves like a device to the code around it: autograd and training on every ``sim:N`` (a native
+device guard, built on first use: see ``native``), ``torch.accelerator`` memory statistics and
+``torch.sim.memory_allocated``-style accounting of live sim storages with a simulated memory size
+(``memory``), streams and events (``streams``), storages and data pointers shared by views
+(``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``), modules
+moved on and off with their parameters' identity (tied weights stay tied: ``moves``),
+``torch.compile`` with the ``eager``/``aot_eager`` backends (a traceable tensor subclass), and
+``torch.autocast("sim")`` with CUDA's op lists (``autocast``).
+
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
 calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..." ValueError, and
 reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
 NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
 
-Autograd runs on every ``sim:N``: sim's device guard is native (``native``, built on first use),
-because the one torch accepts from Python reports a single device to the autograd engine. The
-engine reads the device count once, at the first backward.
+Known limits: Inductor (sim has no code generator: compile with ``eager`` or ``aot_eager``; with
+``aot_eager`` the compiled graph runs on the host tensors: the op profile is checked and faults are
+drawn while it is traced, not per call; precision rounding becomes part of the graph). Moving a
+module onto sim, between sim devices or dtypes swaps parameter contents in place, which torch
+refuses for a parameter an autograd graph still holds (outputs kept from a forward without
+backward) or that has weakrefs ("_apply(): Couldn't swap ...", as for any traceable tensor
+subclass). The autograd engine reads the device count once, at the first backward.
 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
