@@ -51,7 +51,7 @@ def test_to_second_device_and_back():
 def test_module_to_sim_and_back():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    ref = m(torch.ones(1, 3))
+    ref = m(torch.ones(1, 3)).detach()  # no live graph: Module.to swaps parameters in place
     m.to("sim")
     assert all(p.device.type == "sim" and p.is_sim for p in m.parameters())
     with sim.precision("highest"):

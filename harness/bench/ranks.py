@@ -46,36 +46,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _sim_backward_ok(index: int) -> bool:
-    """Whether autograd runs on ``sim:index``: torch 2.13's Python PrivateUse1 device guard reports a
-    device count of 1, so the autograd engine has a ready queue for index 0 only."""
-    import torch
-
-    try:
-        x = torch.zeros(1).to(f"sim:{index}").requires_grad_()
-        (x * 2).sum().backward()
-        return True
-    except RuntimeError as exc:
-        if "device_ready_queues_" in str(exc):
-            return False
-        raise
-
-
-SIM_AUTOGRAD_NOTE = "autograd on sim:N>0 is unsupported (torch's Python device guard reports 1 device)"
-
-
 def ddp_device(target: str, rank: int):
-    """The device a rank trains on: ``sim:{rank % count}``, or ``sim:0`` where autograd can't run there.
-
-    Each rank is its own process (its own simulated host), so falling back to its own ``sim:0`` keeps
-    one device per rank; the fallback is recorded with the rows.
-    """
-    import torch
-
-    device = _device(target, rank)
-    if device.type == "sim" and device.index and not _sim_backward_ok(device.index):
-        return torch.device("sim", 0)
-    return device
+    """The device a rank trains on: ``sim:{rank % count}`` (autograd runs on every sim device)."""
+    return _device(target, rank)
 
 
 def _op_runner(op: str, pg, size: int, world: int, device) -> Callable[[], None]:
@@ -111,17 +84,13 @@ def _ddp_setup(cfg: BenchConfig, specs: dict, rank: int, device, note: dict) -> 
 
     from harness.models.tiny import build_from_config
 
-    train_on = ddp_device(cfg.target, rank)
-    if train_on != device:
-        note["ddp_device_reason"] = SIM_AUTOGRAD_NOTE
-    device = train_on
+    device = ddp_device(cfg.target, rank)
     note["ddp_device"] = str(device)
     gen = torch.Generator().manual_seed(1234 + rank)
     ids = torch.randint(0, DDP_CONFIG["vocab_size"], DDP_BATCH, generator=gen).to(device)
     steps = {}
     for name, s in specs.items():
         model = build_from_config("causal-lm", GPT2Config(**DDP_CONFIG), seed=0).train().to(device)
-        model.tie_weights()  # .to("sim") unties lm_head from wte (a new Parameter per module); re-tie
         note["ddp_params"] = sum(p.numel() for p in model.parameters())
         with collective_settings(s):
             ddp = DDP(model, bucket_cap_mb=s.bucket_mb)

@@ -24,18 +24,32 @@ numerics   PORTHARNESS_SIM_NUMERICS     set_numerics_bugs / numerics_bugs()   pl
 fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             off (default), cpu: ops
                                         fallback_counts()                     outside the profile run
                                                                               on the host, counted
+memory     PORTHARNESS_SIM_MEMORY_MB    set_memory_size / memory_size()       MiB per device, def.
+                                                                              host RAM; beyond: OOM
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
+
+It behaves like a device to the code around it: autograd and training on every ``sim:N`` (a native
+device guard, built on first use: see ``native``), ``torch.accelerator`` memory statistics and
+``torch.sim.memory_allocated``-style accounting of live sim storages with a simulated memory size
+(``memory``), streams and events (``streams``), storages and data pointers shared by views
+(``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``), modules
+moved on and off with their parameters' identity (tied weights stay tied: ``moves``),
+``torch.compile`` with the ``eager``/``aot_eager`` backends (a traceable tensor subclass), and
+``torch.autocast("sim")`` with CUDA's op lists (``autocast``).
 
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
 calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..." ValueError, and
 reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
 NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
 
-Known limits, both PyTorch's: the Python-registered device guard reports one device to the
-autograd engine, so ``backward()`` through tensors on ``sim:1`` and up fails inside the engine; and
-an exception inside an op the engine runs on its device thread would abort the process, so sim
-defers it (NaN outputs) and raises it when ``backward()`` returns / at the next sim call.
+Known limits: Inductor (sim has no code generator: compile with ``eager`` or ``aot_eager``; with
+``aot_eager`` the compiled graph runs on the host tensors: the op profile is checked and faults are
+drawn while it is traced, not per call; precision rounding becomes part of the graph). Moving a
+module onto sim, between sim devices or dtypes swaps parameter contents in place, which torch
+refuses for a parameter an autograd graph still holds (outputs kept from a forward without
+backward) or that has weakrefs ("_apply(): Couldn't swap ...", as for any traceable tensor
+subclass). The autograd engine reads the device count once, at the first backward.
 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
@@ -44,7 +58,8 @@ Only one backend can own PrivateUse1 in a process, so sim is loaded only when as
 import (the harness does it only for a ``sim`` target), or at ``import torch`` through the
 ``torch.backends`` entry point when ``PORTHARNESS_SIM_AUTOLOAD=1`` is set.
 
-This package depends only on torch; nothing here knows about the harness runner.
+This package depends only on torch (and, once, a C++ compiler to build `native`); nothing here knows
+about the harness runner.
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ import torch
 
 from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
 from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
 from .precision import get_precision, precision, set_precision
@@ -71,11 +87,13 @@ __all__ = [
     "fallback_counts",
     "faults",
     "get_fallback",
+    "get_memory_size",
     "get_numerics_bugs",
     "get_op_profile",
     "get_precision",
     "injected_counts",
     "is_registered",
+    "memory_size",
     "numerics_bugs",
     "numerics_hits",
     "op_profile",
@@ -85,6 +103,7 @@ __all__ = [
     "reset_numerics_hits",
     "set_fallback",
     "set_faults",
+    "set_memory_size",
     "set_numerics_bugs",
     "set_op_profile",
     "set_precision",
@@ -106,11 +125,6 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
-
-
 def _register() -> None:
     global _registered
     if _registered:
@@ -125,9 +139,10 @@ def _register() -> None:
 
     if current == BACKEND_NAME and hasattr(torch, BACKEND_NAME):
         raise RuntimeError("a different 'sim' backend is already registered in this process")
-    _setup_privateuseone_for_python_backend(
-        BACKEND_NAME, backend_module=_device_mod, hook=_Hooks(), device_guard=_Guard()
-    )
+    # The native device guard and allocator go in first: torch's Python guard (which the call below
+    # would otherwise install) reports a single device. See native.py.
+    _device_mod._ext.register()
+    _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
     from . import kernels
 
     kernels.register()

@@ -9,31 +9,58 @@ in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `Wrap
 without them it dies on an internal AssertionError, so these stand-ins raise a clear
 `NotImplementedError` instead. That is also how FlexAttention fails when it reaches sim through
 compilation (transformers' ``attn_implementation="flex_attention"`` compiles `create_block_mask`):
-the message names it.
+the message names it. Because SimTensor is a traceable subclass, Inductor would otherwise compile
+the host (CPU) graph behind sim tensors; `refuse_inductor` stops it while it traces them.
+
+The current device (and stream) is per thread, as on CUDA, and lives in the native device guard
+(``native``), so `torch.sim.set_device`, `torch.accelerator.set_device_index` and the autograd
+engine's per-device worker threads agree. Memory (``memory``) and stream (``streams``) functions
+are re-exported here because this module is `torch.sim`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
-DEVICE_COUNT_ENV = "PORTHARNESS_SIM_DEVICES"
-DEFAULT_DEVICE_COUNT = 2
-
-
-def _read_device_count() -> int:
-    raw = os.environ.get(DEVICE_COUNT_ENV, str(DEFAULT_DEVICE_COUNT))
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count") from None
-    if n < 1:
-        raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r}: expected a positive integer device count")
-    return n
+from .indices import (  # noqa: F401  the index helpers other modules reach through here
+    DEFAULT_DEVICE_COUNT,
+    DEVICE_COUNT_ENV,
+    _check_index,
+    _index_of,
+    current_device,
+    device_count,
+)
+from .memory import (  # noqa: F401  torch.sim's memory API
+    empty_cache,
+    get_memory_size,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_size,
+    memory_stats,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_peak_memory_stats,
+    set_memory_size,
+)
+from .native import ext as _ext
+from .streams import (  # noqa: F401  torch.sim's stream API
+    Event,
+    Stream,
+    StreamContext,
+    current_stream,
+    default_stream,
+    set_stream,
+    stream,
+)
 
 
 class _PerDevice(dict):
@@ -48,8 +75,6 @@ class _PerDevice(dict):
         return value
 
 
-_read_device_count()  # a bad value fails the import, with the message above
-_current = 0
 _generators: dict[int, torch.Generator] = _PerDevice(lambda _i: torch.Generator())
 
 
@@ -65,51 +90,19 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-def device_count() -> int:
-    # Read on every call, not once at import: a supervisor process that imported sim long ago must see
-    # the count its workers (started with today's environment) will see.
-    return _read_device_count()
-
-
-def _check_index(index: int) -> int:
-    count = _read_device_count()
-    if not 0 <= index < count:
-        raise RuntimeError(
-            f"sim device index {index} out of range: {count} simulated devices "
-            f"(set {DEVICE_COUNT_ENV} to simulate more)"
-        )
-    return index
-
-
-def _index_of(device: torch.device | str | int | None) -> int:
-    if device is None:
-        return _current
-    if isinstance(device, int):
-        return _check_index(device)
-    device = torch.device(device)
-    if device.type != "sim":
-        raise ValueError(f"expected a sim device, got {device}")
-    return _current if device.index is None else _check_index(device.index)
-
-
-def current_device() -> int:
-    return _current
-
-
 def set_device(device: torch.device | str | int) -> None:
-    global _current
-    _current = _index_of(device)
+    _ext.set_device(_index_of(device))
 
 
 @contextmanager
 def device(dev: torch.device | str | int) -> Iterator[None]:
     """Make `dev` the current sim device inside the block (like `torch.cuda.device`)."""
-    global _current
-    prev, _current = _current, _index_of(dev)
+    prev = _ext.current_device()
+    _ext.set_device(_index_of(dev))
     try:
         yield
     finally:
-        _current = prev
+        _ext.set_device(prev)
 
 
 def synchronize(device: torch.device | str | int | None = None) -> None:
@@ -123,7 +116,7 @@ def generator(index: int) -> torch.Generator:
 
 
 def manual_seed(seed: int) -> None:
-    _generators[_current].manual_seed(int(seed))
+    _generators[current_device()].manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
@@ -132,7 +125,7 @@ def manual_seed_all(seed: int) -> None:
 
 
 def seed() -> None:
-    _generators[_current].seed()
+    _generators[current_device()].seed()
 
 
 def seed_all() -> None:
@@ -141,7 +134,7 @@ def seed_all() -> None:
 
 
 def initial_seed() -> int:
-    return _generators[_current].initial_seed()
+    return _generators[current_device()].initial_seed()
 
 
 def get_rng_state(device: torch.device | str | int = "sim") -> torch.Tensor:
@@ -173,6 +166,36 @@ def get_device_name(device: torch.device | str | int | None = None) -> str:
     return f"portharness sim accelerator {_index_of(device)}"
 
 
+class DeviceProperties:
+    """What `torch.cuda.get_device_properties` reports, for a sim device (memory is simulated)."""
+
+    def __init__(self, index: int) -> None:
+        self.name = get_device_name(index)
+        self.index = index
+        self.type = "sim"
+        self.total_memory = get_memory_size(index)
+        self.major, self.minor = 1, 0
+        self.multi_processor_count = 1
+        self.is_integrated = False
+
+    def __repr__(self) -> str:
+        return (f"_SimDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB, "
+                f"major={self.major}, minor={self.minor}, multi_processor_count={self.multi_processor_count})")
+
+
+def get_device_properties(device: torch.device | str | int | None = None) -> DeviceProperties:
+    return DeviceProperties(_index_of(device))
+
+
+def get_device_capability(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    props = get_device_properties(device)
+    return props.major, props.minor
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True  # bf16 kernels are the CPU's
+
+
 def _no_compiler_message() -> str:
     flex = any("flex_attention" in f.filename for f in traceback.extract_stack())
     if flex:
@@ -185,6 +208,19 @@ def _no_compiler_message() -> str:
         "torch.compile's Inductor backend has no code generator for the sim backend (sim runs eagerly "
         "only); run eagerly or compile with backend='eager' / 'aot_eager'."
     )
+
+
+def refuse_inductor() -> None:
+    """Raise the no-Inductor error if Inductor is compiling. SimTensor calls this while torch.compile
+    traces it: Inductor would otherwise compile the host (CPU) graph behind the sim tensors."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _INDUCTOR_DIR in frame.f_code.co_filename:
+            raise NotImplementedError(_no_compiler_message())
+        frame = frame.f_back
+
+
+_INDUCTOR_DIR = os.path.join("torch", "_inductor", "")
 
 
 class _NoInductorMeta(type):

@@ -15,11 +15,8 @@ Use::
     with simdist.collective_settings(simdist.parse_setting("skinny")):
         dist.all_reduce(t)
 
-Two things DDP on sim users meet that are not about communication (both belong to the sim tensor /
-device layer): autograd only runs on ``sim:0`` (torch 2.13's Python PrivateUse1 device guard reports
-one device, so backward on ``sim:1`` trips an engine assert; each rank is its own process, so train
-on its own ``sim:0``), and ``model.to("sim")`` unties tied weights (GPT-2's ``lm_head``/``wte``):
-call ``model.tie_weights()`` after moving.
+DDP trains on any sim device (``sim:{rank % device_count}``), and ``model.to("sim")`` keeps tied
+weights tied (GPT-2's ``lm_head``/``wte``), as on a real accelerator.
 
 This module depends only on torch, `harness.sim` and `harness.comms` (torch only).
 """

@@ -28,14 +28,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .facts import register_host_impl
 from .tensor import SimTensor, to_sim
 
 _device = importlib.import_module(".device", __package__)
+_memory = importlib.import_module(".memory", __package__)
 _faults = importlib.import_module(".faults", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _tensor = importlib.import_module(".tensor", __package__)
@@ -46,16 +49,25 @@ _lib = torch.library.Library("aten", "IMPL")
 
 
 def _index(device: torch.device | None) -> int:
-    return _device._index_of(device) if device is not None else _device._current
+    return _device._index_of(device) if device is not None else _device.current_device()
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return (dtype or torch.get_default_dtype()).itemsize
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    idx = _index(device)
+    _memory.check_fits(idx, math.prod(size) * _itemsize(dtype))  # refuse before the host allocates
     t = torch.empty(size, dtype=dtype, layout=layout, memory_format=memory_format or torch.contiguous_format)
-    return to_sim(t, _index(device))
+    return to_sim(t, idx)
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    return to_sim(torch.empty_strided(size, stride, dtype=dtype, layout=layout), _index(device))
+    idx = _index(device)
+    extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True)) if all(size) else 0
+    _memory.check_fits(idx, extent * _itemsize(dtype))
+    return to_sim(torch.empty_strided(size, stride, dtype=dtype, layout=layout), idx)
 
 
 def _copy_from(self, dst, non_blocking=False):
@@ -68,12 +80,33 @@ def _copy_from(self, dst, non_blocking=False):
     return dst
 
 
-def _host_alias(t: torch.Tensor | None) -> torch.Tensor | None:
+def _host_alias(t: torch.Tensor | None, traced: bool) -> torch.Tensor | None:
     if not isinstance(t, SimTensor):
         return t
-    return t._inner.detach().requires_grad_() if t.requires_grad else t._inner
+    x = t._inner
+    if traced:  # a placeholder of x's layout (x is fake)
+        x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    return x.detach().requires_grad_() if t.requires_grad else x
 
 
+def _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The kernel the CPU would pick. The selector reads requires_grad (a mask that needs grad rules
+    out the fused kernel), which the inner host tensors never carry, so it gets aliases flagged like
+    the sim tensors. While torch.compile traces, the inner tensors are fake and the fake selector
+    always answers "math", so the real one is asked about placeholders, outside the tracing modes."""
+    args = [query, key, value, attn_mask]
+    inner = [a._inner for a in args if isinstance(a, SimTensor)]
+    if all(type(x) is torch.Tensor for x in inner):
+        hosts = [_host_alias(a, False) for a in args]
+        return torch._fused_sdp_choice(*hosts, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if not all(type(n) is int for x in inner for n in (*x.shape, *x.stride())):
+        return _MATH  # symbolic shapes: keep the traced answer
+    with _disable_current_modes():
+        hosts = [_host_alias(a, True) for a in args]
+        return torch._fused_sdp_choice(*hosts, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_MATH = 0  # sdp::SDPBackend::math
 _FLASH = 1  # sdp::SDPBackend::flash_attention
 
 
@@ -83,12 +116,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(
             attn_mask.logical_not(), float("-inf")
         )
-    # The selector reads requires_grad (a mask that needs grad rules out the fused kernel), which the
-    # inner host tensors never carry, so hand it aliases flagged like the sim tensors.
-    choice = torch._fused_sdp_choice(
-        _host_alias(query), _host_alias(key), _host_alias(value), _host_alias(attn_mask), dropout_p,
-        is_causal, scale=scale, enable_gqa=enable_gqa,
-    )
+    choice = _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if choice == _FLASH:
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
@@ -169,6 +197,8 @@ def register() -> None:
     _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _lib.impl("linear", _fast_composite(aten.linear.default, torch._C._nn.linear), "AutogradPrivateUse1")
     _lib.impl("matmul", _fast_composite(aten.matmul.default, torch.matmul), "AutogradPrivateUse1")
+    importlib.import_module(".moves", __package__).register()
+    importlib.import_module(".autocast", __package__).register()
 
 
 def _histc(self, bins=100, min=0, max=0):

@@ -45,6 +45,7 @@ ALWAYS_ALLOWED = frozenset(
         "aten::view",
         "aten::_local_scalar_dense",
         "aten::set_.source_Storage_storage_offset",
+        "aten::set_.source_Storage",
         "aten::resize_",
     }
 )

@@ -84,7 +84,9 @@ def round_to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Rounded:
-    """The rounded copies of views of one parameter's storage, alive while the parameter is."""
+    """The rounded copies of views of one parameter's storage, alive while the parameter's host
+    tensor is (a weakref to the host tensor, not to the parameter: `torch.utils.swap_tensors`, how
+    Module.to/half move sim parameters, refuses tensors that have weakrefs)."""
 
     __slots__ = ("owner", "views")
 
@@ -109,7 +111,7 @@ def forget(t: object) -> None:
     if isinstance(t, (list, tuple)):
         for x in t:
             forget(x)
-    elif isinstance(t, torch.Tensor):
+    elif type(t) is torch.Tensor:  # a fake/functional tensor (torch.compile tracing) has no data pointer
         _cache.pop(t.untyped_storage().data_ptr(), None)
 
 
@@ -122,8 +124,9 @@ def _rounded_operand(wrapper: object, x: torch.Tensor) -> torch.Tensor:
     """`x` rounded to bf16, from the cache when `wrapper` is (a view of) a live parameter."""
     base = getattr(wrapper, "_base", None)
     owner = wrapper if base is None else base
-    if not getattr(owner, "_is_param", False) or not x.numel():
-        return x.to(torch.bfloat16).to(torch.float32)
+    if not getattr(owner, "_is_param", False) or not x.numel() or type(x) is not torch.Tensor:
+        return x.to(torch.bfloat16).to(torch.float32)  # not a parameter, or traced (torch.compile)
+    owner = owner._inner
     ptr = x.untyped_storage().data_ptr()
     entry = _cache.get(ptr)
     if entry is None or entry.owner() is not owner:

@@ -22,18 +22,21 @@ from the schema once and cached in `facts.Facts`.
 from __future__ import annotations
 
 import importlib
-import threading
+from collections import OrderedDict
 
 import torch
-from torch.utils._pytree import tree_leaves as pytree_leaves
-from torch.utils._pytree import tree_map as pytree_map
 
 _device = importlib.import_module(".device", __package__)
 _faults = importlib.import_module(".faults", __package__)
 _facts = importlib.import_module(".facts", __package__)
 _fallback = importlib.import_module(".fallback", __package__)
+_memory = importlib.import_module(".memory", __package__)
+_moves = importlib.import_module(".moves", __package__)
 _opset = importlib.import_module(".opset", __package__)
 _precision = importlib.import_module(".precision", __package__)
+_native = importlib.import_module(".native", __package__).ext
+_claim = _native.claim  # (tensor._cdata, device, enforce) -> 0, or the bytes that did not fit
+_current_device = _native.current_device
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -45,13 +48,17 @@ _STRIDED = torch.strided
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _set_storage = aten.set_.source_Storage_storage_offset
 _TENSOR_DATA = torch._C.TensorBase.data  # the C-level `.data` descriptor SimTensor.data extends
+_wrapper_storage = torch._C.TensorBase.untyped_storage  # the wrapper's own (data-less) storage
+_storage_from_impl = torch.UntypedStorage._new_with_weak_ptr
+
 
 class SimTensor(torch.Tensor):
     """A tensor on a simulated accelerator. Use `.cpu()` / `.to("cpu")` to get host data back."""
 
+    # No __slots__: `torch.utils.swap_tensors` (how Module.to moves parameters onto a traceable
+    # subclass, keeping tied weights tied) needs the same slots as a plain Parameter.
     _inner: torch.Tensor
     _idx: int
-    __slots__ = ("_inner", "_idx")
 
     # Skips the Python-level __torch_function__ hop on every call: a large share of the overhead.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -67,18 +74,23 @@ class SimTensor(torch.Tensor):
             return body[:-1] + suffix + ")"
         return body + suffix
 
-    def __reduce_ex__(self, proto: int):  # pickling moves host data, like torch.save of a cuda tensor
-        return (_rebuild, (self._inner, self._idx))
+    def __reduce_ex__(self, proto: int):
+        # What a real device tensor pickles to (storage + geometry, the storage saved with its "sim:N"
+        # location), so torch.load maps it like a cuda tensor and weights_only loading accepts it.
+        hooks: dict = OrderedDict()
+        if self.__dict__.get("_is_param"):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, hooks))
+        return (torch._utils._rebuild_tensor_v2, (self._typed_storage(), self.storage_offset(), tuple(self.size()),
+                                                   self.stride(), self.requires_grad, hooks))
+
+    def __deepcopy__(self, memo: dict) -> SimTensor:
+        return _moves.deepcopy(self, memo)
 
     def __format__(self, spec: str) -> str:
         # torch formats 0-dim tensors as their value only for exact `Tensor`s (f"expert_{idx}").
         if self.dim() == 0:
             return self.item().__format__(spec)
         return object.__format__(self, spec)
-
-    def backward(self, *args, **kwargs) -> None:
-        _Tensor.backward(self, *args, **kwargs)
-        _raise_deferred()  # an op that failed on the autograd device thread fails this call
 
     def tolist(self) -> list | int | float | bool:
         """Host copy as (nested) Python lists, as on any accelerator."""
@@ -92,20 +104,40 @@ class SimTensor(torch.Tensor):
             )
         return _Tensor.cpu(self).numpy()
 
+    def __tensor_flatten__(self) -> tuple[list[str], int]:
+        # Makes SimTensor a traceable wrapper subclass: torch.compile (eager/aot_eager) traces it, and
+        # Module._apply moves parameters onto it with swap_tensors.
+        return ["_inner"], self._idx
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors: dict, idx: int, outer_size: object, outer_stride: object) -> SimTensor:
+        inner = inner_tensors["_inner"]
+        if type(inner) is not _Tensor:  # torch.compile is tracing
+            _device.refuse_inductor()
+        return _new(inner, idx)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The device storage: a sim-typed alias of the host memory, shared by all views of it."""
+        ptr = _native.alias(self._inner._cdata, self._idx)
+        return _storage_from_impl(ptr) if ptr else _wrapper_storage(self)
+
+    def data_ptr(self) -> int:
+        return self._inner.data_ptr()
+
     @property
     def data(self) -> torch.Tensor:
         return _TENSOR_DATA.__get__(self)
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
+        if type(new) is not SimTensor:  # `param.data = host_tensor` (Module.cpu()): off the device
+            _moves.leave_device(self, new)
+            return
         # torch copies the wrapper's metadata from `new`; the host memory must follow it.
         _TENSOR_DATA.__set__(self, new)
         _precision.forget(self._inner)
-        if isinstance(new, SimTensor):
-            self._inner = new._inner
-            self._idx = new._idx
-        else:
-            self._inner = new
+        self._inner = new._inner
+        self._idx = new._idx
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # replaced by _dispatch below
@@ -125,10 +157,6 @@ def _new(inner: torch.Tensor, idx: int) -> SimTensor:
     r._inner = inner
     r._idx = idx
     return r
-
-
-def _rebuild(inner: torch.Tensor, idx: int) -> SimTensor:
-    return _new(inner, idx)
 
 
 _trace: set | None = None
@@ -185,17 +213,38 @@ def _unwrap(x, seen: _Seen, func, cross_ok: bool):
             return out
         return t(_unwrap(y, seen, func, cross_ok) for y in x)
     if isinstance(x, torch.Tensor):
+        dev = x.device
+        if dev.type == "sim":
+            # A plain (fake) tensor on sim: a factory call traced by torch.compile, where fake mode
+            # makes factories itself. Its host equivalent is a copy to the CPU (in a traced graph too).
+            j = dev.index or 0
+            if seen.idx != j:
+                if seen.idx < 0:
+                    seen.idx = j
+                elif not cross_ok:
+                    raise _mixed(func, f"sim:{seen.idx}", f"sim:{j}")
+            return x.to("cpu")
         if x.dim() > 0:
             seen.cpu = True  # a non-scalar CPU tensor; 0-dim ones act as scalars, as on CUDA
         return x
     if t is torch.device and x.type == "sim":
         seen.dev = x
         return _CPU
+    if t is torch.UntypedStorage and x.device.type == "sim":  # set_(storage): the host memory behind it
+        seen.dev = x.device
+        return _host_storage(x)
     return x
 
 
+def _host_storage(s: torch.UntypedStorage) -> torch.UntypedStorage:
+    ptr = _native.host(s._cdata)
+    if not ptr:
+        raise RuntimeError(f"this {s.device} storage has no memory (its tensors were freed, or sim did not make it)")
+    return _storage_from_impl(ptr)
+
+
 def _wrap(x, idx: int, fresh: list):
-    if type(x) is _Tensor:
+    if isinstance(x, _Tensor) and type(x) is not SimTensor:  # also fake/functional ones (torch.compile)
         fresh.append(x)
         return _new(x, idx)
     if isinstance(x, (list, tuple)):
@@ -206,7 +255,8 @@ def _wrap(x, idx: int, fresh: list):
 def _resync(w: SimTensor) -> None:
     """Make the wrapper's sizes/strides/offset match its inner tensor again after an in-place change."""
     x = w._inner
-    _set_storage.redispatch(_CPU_KEYS, w, w.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+    _set_storage.redispatch(_CPU_KEYS, w, _wrapper_storage(w), x.storage_offset(), x.size(), x.stride())
+    _memory.claim(x, w._idx)  # a resize gave the host tensor new memory
 
 
 def _pair(back: dict[int, object], orig, inn) -> None:
@@ -215,6 +265,20 @@ def _pair(back: dict[int, object], orig, inn) -> None:
             back[id(i)] = o
     elif orig is not None:
         back[id(inn)] = orig
+
+
+def _rewrap(o, back: dict[int, object], idx: int, fresh: list):
+    # Module level, not a closure: a recursive closure is a reference cycle, which would keep every
+    # written tensor (and its device memory) alive until the garbage collector runs.
+    if isinstance(o, torch.Tensor):
+        hit = back.get(id(o))
+        if hit is not None:
+            return hit
+        fresh.append(o)
+        return _new(o, idx)
+    if isinstance(o, (list, tuple)):
+        return type(o)(_rewrap(y, back, idx, fresh) for y in o)
+    return o
 
 
 def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: dict, out, idx: int):
@@ -234,199 +298,144 @@ def _finish_writes(facts: _facts.Facts, args: tuple, kwargs: dict, a: list, k: d
             if x.shape != w.shape or x.stride() != w.stride() or x.storage_offset() != w.storage_offset():
                 _resync(w)
     fresh: list[torch.Tensor] = []
-
-    def rewrap(o):
-        if isinstance(o, torch.Tensor):
-            hit = back.get(id(o))
-            if hit is not None:
-                return hit
-            fresh.append(o)
-            return _new(o, idx)
-        if isinstance(o, (list, tuple)):
-            return type(o)(rewrap(y) for y in o)
-        return o
-
-    result = rewrap(out)
+    result = _rewrap(out, back, idx, fresh)
+    for t in fresh:
+        _memory.claim(t, idx)
     if fresh and _faults._active:
         _faults.on_launch(idx, fresh)
     return result
 
 
-# An error raised inside an op that the autograd engine runs on its sim device thread must not
-# reach C++: torch's Python device guard calls back into Python while the exception is unwinding
-# and the process aborts ("terminate called without an active exception"). So such an op returns
-# NaN-filled outputs of the right shapes (computed on meta), and the error is raised at the next
-# sim call on a normal thread (or when `backward()` returns), the way CUDA reports asynchronous
-# errors at the next synchronizing call.
-_deferred: BaseException | None = None
-
-
-def _defer(error: BaseException, func, args: tuple, kwargs: dict | None):
-    global _deferred
-    if _deferred is None:
-        if hasattr(error, "add_note"):
-            error.add_note(f"(raised by '{_opset.op_name(func)}' during backward on the autograd device "
-                           "thread; reported at the next sim call)")
-        _deferred = error
-
-    def meta(x):
-        if isinstance(x, torch.Tensor):
-            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if type(x) is torch.device:
-            return torch.device("meta")
-        return x
-
-    try:
-        out = func(*pytree_map(meta, args), **pytree_map(meta, kwargs or {}))
-    except Exception:
-        raise error from None  # cannot even fake the shapes: abort is all that is left
-    idx = next((x._idx for x in pytree_leaves((args, kwargs)) if type(x) is SimTensor), _device._current)
-
-    def poison(x):
-        if isinstance(x, torch.Tensor):
-            fill = float("nan") if x.is_floating_point() or x.is_complex() else 0
-            return _new(torch.full(x.shape, fill, dtype=x.dtype), idx)
-        return x
-
-    return pytree_map(poison, out)
-
-
-def _raise_deferred() -> None:
-    """Raise the error an op hit on the autograd device thread, if any (outside backward only)."""
-    global _deferred
-    if _deferred is None or (threading.current_thread() is not threading.main_thread()
-                             and torch._C._current_graph_task_id() >= 0):
-        return
-    error, _deferred = _deferred, None
-    raise error
-
-
 def _dispatch(cls, func, types, args: tuple = (), kwargs: dict | None = None):
     """`SimTensor.__torch_dispatch__`: every ATen op on a sim tensor lands here."""
-    if _deferred is not None:
-        _raise_deferred()
-    try:
-        if _trace is not None:
-            _trace.add(func)
-        # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
-        facts = _opset._profile._facts.get(id(func))
-        if facts is None:
-            facts = _facts.facts_for(func)
-        if not facts.allowed:
-            if _fallback._mode != "cpu":
-                raise _opset.unsupported_error(func)
-            _fallback.count(func)
+    if _trace is not None:
+        _trace.add(func)
+    # One int-keyed lookup per op (OpOverload.__hash__ is a Python method): facts + profile verdict.
+    facts = _opset._profile._facts.get(id(func))
+    if facts is None:
+        facts = _facts.facts_for(func)
+    if not facts.allowed:
+        if _fallback._mode != "cpu":
+            raise _opset.unsupported_error(func)
+        _fallback.count(func)
 
-        # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
-        idx = -1
-        a = []
-        seen = None
-        for x in args:
-            t = type(x)
-            if t is SimTensor:
-                j = x._idx
-                if idx != j:
-                    if idx < 0:
-                        idx = j
-                    elif not facts.cross_ok:
-                        raise _mixed(func, f"sim:{idx}", f"sim:{j}")
-                a.append(x._inner)
-            elif (t is int or t is float or t is bool or x is None
-                  or ((t is list or t is tuple) and (not x or type(x[0]) is int))):
-                a.append(x)
-            else:
-                if seen is None:
-                    seen = _Seen(idx)
-                seen.idx = idx
-                a.append(_unwrap(x, seen, func, facts.cross_ok))
-                idx = seen.idx
-        k = kwargs
-        if k:
+    # Hot path, hand-inlined: most calls are flat tuples of sim tensors, int lists and Python scalars.
+    idx = -1
+    a = []
+    seen = None
+    for x in args:
+        t = type(x)
+        if t is SimTensor:
+            j = x._idx
+            if idx != j:
+                if idx < 0:
+                    idx = j
+                elif not facts.cross_ok:
+                    raise _mixed(func, f"sim:{idx}", f"sim:{j}")
+            a.append(x._inner)
+        elif (t is int or t is float or t is bool or x is None
+              or ((t is list or t is tuple) and (not x or type(x[0]) is int))):
+            a.append(x)
+        else:
             if seen is None:
                 seen = _Seen(idx)
             seen.idx = idx
-            k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
+            a.append(_unwrap(x, seen, func, facts.cross_ok))
             idx = seen.idx
-        else:
-            k = _NO_KWARGS
-        if seen is not None:
-            if seen.cpu and not facts.cross_ok:
-                raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
-            dev = seen.dev
-            if func is aten._to_copy.default:
-                target = kwargs.get("device")
-                if target is not None and target.type != "sim":
-                    return func._op(*a, **k)  # leaving the device: plain CPU result
-                if dev is not None and dev.index is not None:
-                    idx = _device._check_index(dev.index)
-            elif idx < 0 and dev is not None:
-                idx = _device._index_of(dev)
-        if idx < 0:
-            idx = _device._current
+    k = kwargs
+    if k:
+        if seen is None:
+            seen = _Seen(idx)
+        seen.idx = idx
+        k = {n: _unwrap(v, seen, func, facts.cross_ok) for n, v in k.items()}
+        idx = seen.idx
+    else:
+        k = _NO_KWARGS
+    if seen is not None:
+        if seen.cpu and not facts.cross_ok:
+            raise _mixed(func, f"sim:{max(idx, 0)}", "cpu")
+        dev = seen.dev
+        if func is aten._to_copy.default:
+            target = kwargs.get("device")
+            if target is not None and target.type != "sim":
+                return func._op(*a, **k)  # leaving the device: plain CPU result
+            if dev is not None and dev.index is not None:
+                idx = _device._check_index(dev.index)
+        elif idx < 0 and dev is not None:
+            idx = _device._index_of(dev)
+    if idx < 0:
+        idx = _current_device()
 
-        g = facts.generator
-        if g is not None:
-            if type(g) is str:
-                if k.get(g) is None:
-                    k = dict(k)
-                    k[g] = _device._generators[idx]
-            elif g < len(a):
-                if a[g] is None:
-                    a[g] = _device._generators[idx]
-            elif k.get("generator") is None:
+    g = facts.generator
+    if g is not None:
+        if type(g) is str:
+            if k.get(g) is None:
                 k = dict(k)
-                k["generator"] = _device._generators[idx]
+                k[g] = _device._generators[idx]
+        elif g < len(a):
+            if a[g] is None:
+                a[g] = _device._generators[idx]
+        elif k.get("generator") is None:
+            k = dict(k)
+            k["generator"] = _device._generators[idx]
 
-        red = facts.reduced
-        if red is not None and _precision._mode != "highest":
-            _precision.reduce_operands(a, red, args)
-        written = facts.written or facts.written_kw
-        if written and _precision._cache:
-            for i in facts.written:
-                if i < len(a):
-                    _precision.forget(a[i])
-            for n in facts.written_kw:
-                _precision.forget(k.get(n))
+    red = facts.reduced
+    if red is not None and _precision._mode != "highest":
+        _precision.reduce_operands(a, red, args)
+    written = facts.written or facts.written_kw
+    if written and _precision._cache:
+        for i in facts.written:
+            if i < len(a):
+                _precision.forget(a[i])
+        for n in facts.written_kw:
+            _precision.forget(k.get(n))
 
-        try:
-            out = facts.call(*a, **k)
-        except NotImplementedError as e:
-            if "from the 'CPU' backend" in str(e):
-                raise _opset.unsupported_error(func, missing_host_kernel=True) from None
-            raise
+    try:
+        out = facts.call(*a, **k)
+    except NotImplementedError as e:
+        if "from the 'CPU' backend" in str(e):
+            raise _opset.unsupported_error(func, missing_host_kernel=True) from None
+        raise
 
-        if written:
-            return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
-        if type(out) is _Tensor:
-            if out.layout is _STRIDED:  # _new, inlined
-                result = _make_wrapper(SimTensor, out.size(), strides=out.stride(),
-                                       storage_offset=out.storage_offset(), dtype=out.dtype,
-                                       device=_SIM_DEVICES[idx])
-                result._inner = out
-                result._idx = idx
-            else:
-                result = _new(out, idx)
-            if _faults._active and not facts.aliases:
+    if written:
+        return _finish_writes(facts, args, kwargs or _NO_KWARGS, a, k, out, idx)
+    if type(out) is _Tensor:
+        if out.layout is _STRIDED:  # _new, inlined
+            result = _make_wrapper(SimTensor, out.size(), strides=out.stride(),
+                                   storage_offset=out.storage_offset(), dtype=out.dtype,
+                                   device=_SIM_DEVICES[idx])
+            result._inner = out
+            result._idx = idx
+        else:
+            result = _new(out, idx)
+        if not facts.aliases:
+            short = _claim(out._cdata, idx, True)  # count the new memory on the device
+            if short:
+                raise _memory.out_of_memory(idx, short)
+            if _faults._active:
                 _faults.on_launch(idx, [out])
-            return result
-        if out is None or not isinstance(out, (list, tuple)):
-            return out
-        fresh: list[torch.Tensor] = []
-        result = _wrap(out, idx, fresh)
-        if _faults._active and fresh and not facts.aliases:
-            _faults.on_launch(idx, fresh)
         return result
-    except BaseException as e:
-        if threading.current_thread() is threading.main_thread() or torch._C._current_graph_task_id() < 0:
-            raise
-        return _defer(e, func, args, kwargs)
+    if isinstance(out, _Tensor):  # a fake/functional tensor: torch.compile is tracing
+        return _new(out, idx)
+    if out is None or not isinstance(out, (list, tuple)):
+        return out
+    fresh: list[torch.Tensor] = []
+    result = _wrap(out, idx, fresh)
+    if not facts.aliases:
+        for t in fresh:
+            _memory.claim(t, idx)
+        if _faults._active and fresh:
+            _faults.on_launch(idx, fresh)
+    return result
 
 
 SimTensor.__torch_dispatch__ = classmethod(_dispatch)  # one Python frame less per op
 
 
 def to_sim(t: torch.Tensor, index: int = 0) -> SimTensor:
-    """Wrap a CPU tensor's data as a sim tensor without a copy (for kernels in this package)."""
+    """Wrap a CPU tensor's data as a sim tensor without a copy (for kernels in this package); its
+    storage now counts as memory of ``sim:index`` (OOM if it does not fit)."""
+    _memory.claim(t, index)
     return _new(t, index)
 
 

@@ -1,0 +1,172 @@
+"""Simulated device memory: per-device accounting, a configurable size, and out-of-memory errors.
+
+A sim tensor's memory is a host storage; the first time a host storage backs a sim tensor it is
+counted on that tensor's device until it is freed (``native`` wraps its DataPtr). Views share
+their base's count, as on a real device. Nothing is cached, so "reserved" equals "allocated" and
+`empty_cache` has no device memory to return (it drops sim's rounded-weight cache, host memory).
+
+Each device has a memory size; an allocation that would exceed it raises `torch.OutOfMemoryError`
+("sim:N out of memory ...") the way a real device does, so OOM handling can be tested without a
+big machine. The default size is the host's physical memory (sim memory is host memory).
+
+Switch: env ``PORTHARNESS_SIM_MEMORY_MB`` (all devices), `set_memory_size()` (one or all
+devices), or the `memory_size()` context manager.
+
+The statistics are what `torch.accelerator.memory_allocated/memory_stats/...` report (through the
+DeviceAllocator in ``native``); the functions here are the `torch.sim` module's versions of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .indices import MAX_DEVICES, _index_of
+from .native import ext
+
+_precision = importlib.import_module(".precision", __package__)
+
+MEMORY_ENV = "PORTHARNESS_SIM_MEMORY_MB"
+
+DeviceLike = torch.device | str | int | None
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 64 << 30
+
+
+def _parse_mb(raw: str) -> int:
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ValueError(f"{MEMORY_ENV}={raw!r}: expected a positive device memory size in MiB")
+    return int(mb * (1 << 20))
+
+
+def _default_size() -> int:
+    raw = os.environ.get(MEMORY_ENV, "").strip()
+    return _parse_mb(raw) if raw else _host_memory()
+
+
+def set_memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> None:
+    """Simulated memory of `device` (default: every device) in MiB; None restores the default (env
+    var, else host memory). Live tensors stay; the next allocation that does not fit raises."""
+    size = _default_size() if size_mb is None else _parse_mb(str(size_mb))
+    indices = range(MAX_DEVICES) if device == "all" else [_index_of(device)]
+    for i in indices:
+        ext.set_limit(i, size)
+
+
+def get_memory_size(device: DeviceLike = None) -> int:
+    """Total simulated memory of `device`, in bytes."""
+    return ext.stats(_index_of(device))[7]
+
+
+@contextmanager
+def memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> Iterator[None]:
+    """Run the block with another simulated memory size (restored after)."""
+    indices = range(MAX_DEVICES) if device == "all" else [_index_of(device)]
+    prev = {i: ext.stats(i)[7] for i in indices}
+    set_memory_size(size_mb, device)
+    try:
+        yield
+    finally:
+        for i, size in prev.items():
+            ext.set_limit(i, size)
+
+
+def _fmt(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def out_of_memory(idx: int, nbytes: int) -> torch.OutOfMemoryError:
+    """The error an allocation of `nbytes` that does not fit on ``sim:idx`` raises."""
+    used, limit = ext.stats(idx)[0], ext.stats(idx)[7]
+    return torch.OutOfMemoryError(
+        f"sim:{idx} out of memory. Tried to allocate {_fmt(nbytes)}. sim:{idx} has a total capacity of "
+        f"{_fmt(limit)} of which {_fmt(max(limit - used, 0))} is free; {_fmt(used)} is allocated by "
+        f"tensors (simulated device memory: set {MEMORY_ENV} or harness.sim.set_memory_size() to change it)"
+    )
+
+
+def check_fits(idx: int, nbytes: int) -> None:
+    """Raise the device's OOM error before allocating `nbytes` on ``sim:idx`` if they do not fit."""
+    if not ext.fits(idx, nbytes):
+        raise out_of_memory(idx, nbytes)
+
+
+def claim(t: torch.Tensor, idx: int) -> None:
+    """Count host tensor `t`'s storage as memory of ``sim:idx`` (once per storage); OOM if it does not fit."""
+    short = ext.claim(t._cdata, idx, True)
+    if short:
+        raise out_of_memory(idx, short)
+
+
+# --- the torch.sim / torch.cuda-style memory API ---------------------------------------------------
+
+
+def memory_allocated(device: DeviceLike = None) -> int:
+    """Bytes of sim memory held by live tensors on `device`."""
+    return ext.stats(_index_of(device))[0]
+
+
+def max_memory_allocated(device: DeviceLike = None) -> int:
+    """Peak of `memory_allocated` since start or the last `reset_peak_memory_stats`."""
+    return ext.stats(_index_of(device))[1]
+
+
+memory_reserved = memory_allocated  # no caching allocator: what is reserved is allocated
+max_memory_reserved = max_memory_allocated
+
+
+def reset_peak_memory_stats(device: DeviceLike = None) -> None:
+    ext.reset_peak(_index_of(device))
+
+
+def reset_max_memory_allocated(device: DeviceLike = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
+    ext.reset_accumulated(_index_of(device))
+
+
+def memory_stats(device: DeviceLike = None) -> OrderedDict[str, Any]:
+    """The keys of `torch.cuda.memory_stats` that sim tracks (``all`` pool only), sorted."""
+    cur, peak, allocated, freed, blocks, blocks_peak, ooms, _limit = ext.stats(_index_of(device))
+    out: dict[str, int] = {"num_ooms": ooms, "num_alloc_retries": 0}
+    for key in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes"):
+        out.update({f"{key}.all.current": cur, f"{key}.all.peak": peak,
+                    f"{key}.all.allocated": allocated, f"{key}.all.freed": freed})
+    for key in ("allocation", "segment", "active"):
+        out.update({f"{key}.all.current": blocks, f"{key}.all.peak": blocks_peak})
+    return OrderedDict(sorted(out.items()))
+
+
+def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
+    """(free, total) simulated bytes on `device`, like `torch.cuda.mem_get_info`."""
+    cur, *_, limit = ext.stats(_index_of(device))
+    return max(limit - cur, 0), limit
+
+
+def empty_cache() -> None:
+    """Free cached memory: sim caches no device memory, only bf16-rounded weight copies (host)."""
+    _precision.clear_cache()
+
+
+set_memory_size(None)  # the env var's size (or host memory) on every device; a bad value fails the import
