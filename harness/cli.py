@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import asdict
@@ -209,7 +210,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_table
     from harness.models.model_list import load_model_list
-    from harness.run.runner import run_models, shard
+    from harness.results.dbfile import usable
+    from harness.run.runner import plan, run_models, shard
 
     entries = load_model_list(args.list)
     if args.only:
@@ -224,6 +226,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
     config = _run_config(args, jobs=args.jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet)
+    plan(config)  # devices, spares, ranges: before a line is printed or a file touched
+    if os.path.exists(args.db):
+        usable(Path(args.db))  # ours and undamaged, checked without writing
     os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, {args.jobs} worker(s) -> {args.db}",
@@ -309,8 +314,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_merge(args: argparse.Namespace) -> int:
     from harness.results.merge import merge_stores
 
-    n = merge_stores(args.out, args.dbs, combine_shards=not args.no_combine)
-    print(f"merged {n} rows from {len(args.dbs)} DB(s) into {args.out}")
+    res = merge_stores(args.out, args.dbs, combine_shards=not args.no_combine)
+    print(f"merged {res.rows} rows from {len(args.dbs)} DB(s) into {args.out}")
+    if res.overlaps:
+        print(f"  {len(res.overlaps)} key(s) appeared in more than one DB (overlapping shards?); kept the row of "
+              "the finished, most complete attempt:", file=sys.stderr)
+        for line in res.overlaps[:20]:
+            print(f"    {line}", file=sys.stderr)
     return 0
 
 
@@ -413,13 +423,23 @@ def _is_input_error(e: Exception) -> bool:
     return load is not None and isinstance(e, load.LoadError)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: every `finally` runs (workers are stopped), then exit 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("portharness: interrupted; finished rows are saved (use --resume)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        name = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"portharness: {name}; finished rows are saved (use --resume)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except Exception as e:
         startup = sys.modules.get("harness.run.runner")
         if startup is not None and isinstance(e, startup.WorkerStartupError):
@@ -429,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"portharness {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

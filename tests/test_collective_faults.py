@@ -383,7 +383,7 @@ def test_fault_rows_store_read_and_merge(tmp_path) -> None:
     nan = df[df.scenario == "nan"].iloc[0]
     assert nan.nan_caught == 1 and (nan.recovered is None or math.isnan(nan.recovered))  # not applicable
     merged = tmp_path / "m.db"
-    assert merge_stores(merged, [db]) == 2
+    assert merge_stores(merged, [db]).rows == 2
     with ResultStore(merged, create=False) as st:
         assert len(st.collective_faults()) == 2
 
@@ -406,7 +406,7 @@ def test_db_from_before_the_fault_table(tmp_path, monkeypatch: pytest.MonkeyPatc
         with ResultStore(db, create=False) as st:
             assert st.read_only and st.collective_faults().empty
             assert st.latest_run(has_collective_faults=True) is None and st.raw_rows("collective_faults") == []
-        assert merge_stores(tmp_path / "m.db", [db]) == 0
+        assert merge_stores(tmp_path / "m.db", [db]).rows == 0
     with ResultStore(db) as st:  # writable: the table is added, nothing else changes
         rid = st.latest_run()
         st.record_collective_fault(_fault_row(rid, "die"))

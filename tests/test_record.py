@@ -240,7 +240,7 @@ def test_merge_combines_shards(tmp_path: Path) -> None:
     _make_shard(a, "1/2", ["m1", "m2"])
     _make_shard(b, "2/2", ["m3"])
     out = tmp_path / "merged.db"
-    n = merge_stores(out, [a, b])
+    n = merge_stores(out, [a, b]).rows
     assert n == 5  # 3 results + 2 collectives
     with ResultStore(out, create=False) as st:
         runs = st.runs()
@@ -249,7 +249,7 @@ def test_merge_combines_shards(tmp_path: Path) -> None:
         assert st.finished_ids(rid) == {"m1", "m2", "m3"}
         assert len(st.collectives(rid)) == 2
     # Merging again is idempotent (upsert).
-    assert merge_stores(out, [a, b]) == 5
+    assert merge_stores(out, [a, b]).rows == 5
     with ResultStore(out, create=False) as st:
         assert len(st.results()) == 3
 

@@ -263,11 +263,31 @@ def resolve_runs(
                     "pass --base RUN or --base-db PATH"
                 )
             return (base_id, hs.results(base_id)), (head_id, head_df)
+        head_run = _identity(hs, head_id)
     with ResultStore(base_path, read_only=True) as bs:
         base_id = base or bs.latest_run(has_results=True)
         if base_id is None:
             raise StoreError(f"{base_path} contains no model results")
+        base_run = _identity(bs, base_id)
+        if not (base and head) and base_run != head_run:
+            # Different lists or settings make every row "added"/"removed" and hide real regressions.
+            what = [k for k, a, b in zip(("list", "target", "settings"), base_run, head_run, strict=True) if a != b]
+            raise StoreError(
+                f"the latest runs of {base_path} ({base_id}) and {head_path} ({head_id}) are not comparable: "
+                f"different {', '.join(what)} ({'; '.join(f'{a} vs {b}' for a, b in zip(base_run, head_run, strict=True) if a != b)}). "
+                "Name the runs with --base RUN --head RUN to compare them anyway"
+            )
         return (base_id, bs.results(base_id)), (head_id, head_df)
+
+
+def _identity(store: ResultStore, run_id: str) -> tuple[str, str, str]:
+    """(list, target, settings) of a run: what makes two runs comparable."""
+    runs = store.runs()
+    r = runs[runs.run_id == run_id]
+    if r.empty:
+        raise StoreError(f"{store.path}: unknown run id {run_id!r}")
+    r = r.iloc[0]
+    return str(r.list_name), str(r.target), str(r.settings_json)
 
 
 # ----------------------------------------------------------------------------------------------

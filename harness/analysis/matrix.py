@@ -277,6 +277,20 @@ def _jsonable_cells(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _defused(df: pd.DataFrame) -> pd.DataFrame:
+    """Text cells a spreadsheet would run as a formula (a model id like '=cmd|...') get a leading quote,
+    as OWASP's CSV-injection advice says; numbers are left alone."""
+    out = df.copy()
+    for col in out.columns:
+        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
+            out[col] = out[col].map(lambda v: "'" + v if isinstance(v, str) and v.startswith(_FORMULA_START) else v)
+    out.columns = ["'" + c if isinstance(c, str) and c.startswith(_FORMULA_START) else c for c in out.columns]
+    return out
+
+
 def export(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write ``df`` as .csv, .json (records) or .parquet (needs pyarrow), chosen by extension."""
     path = Path(path)
@@ -284,7 +298,7 @@ def export(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     keep_index = not isinstance(df.index, pd.RangeIndex)
     frame = df.reset_index() if keep_index else df
     if ext == ".csv":
-        _jsonable_cells(frame).to_csv(path, index=False)
+        _defused(_jsonable_cells(frame)).to_csv(path, index=False)
     elif ext == ".json":
         frame.to_json(path, orient="records", indent=1, default_handler=str)
     elif ext == ".parquet":

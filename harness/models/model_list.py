@@ -267,7 +267,7 @@ def load_model_list(name_or_path: str) -> list[ModelEntry]:
     """Read a model list by bare name (``tiny-zoo`` -> model_lists/tiny-zoo.csv) or by path."""
     path = resolve_list(name_or_path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a spreadsheet's UTF-8 BOM is not part of the header
     except UnicodeDecodeError as e:
         raise ModelListError(f"{path}:1: not UTF-8 text ({e.reason}); save the list as UTF-8 CSV") from None
     except OSError as e:

@@ -7,7 +7,10 @@ A result DB is the one artifact a nightly run leaves behind, so anything that is
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
+import tempfile
+import weakref
 from pathlib import Path
 
 APP_NAME = "portharness"
@@ -20,19 +23,24 @@ class StoreError(RuntimeError):
     """The DB file cannot be used as a portharness store (corrupt, foreign, newer schema, missing)."""
 
 
+class _Connection(sqlite3.Connection):
+    """A connection that can own a private copy of a read-only DB (weak references need a subclass)."""
+
+
 def _connect(path: Path, query: str) -> sqlite3.Connection:
     return sqlite3.connect(
         f"{path.resolve().as_uri()}?{query}", uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-        check_same_thread=False,
+        check_same_thread=False, factory=_Connection,
     )
 
 
 def connect_read_only(path: Path) -> sqlite3.Connection:
     """A read-only connection that writes nothing to `path`.
 
-    ``mode=ro`` still needs to create the WAL's shared-memory file next to a WAL database, which a
-    read-only directory (an artifact mount, a CD, chmod a-w) refuses; there the file is opened
-    ``immutable`` instead: nobody can be writing it if nobody may."""
+    ``mode=ro`` still needs to create the WAL's shared-memory file next to a WAL database whose -wal
+    file holds committed rows, which read-only media (an artifact mount, a CD) refuse. There the file is
+    read from a private copy of the DB and its -wal (``immutable`` would ignore the -wal's rows); a DB
+    without a -wal is simply opened ``immutable``: nobody can be writing it if nobody may."""
     con = _connect(path, "mode=ro")
     try:
         con.execute("SELECT count(*) FROM sqlite_master").fetchone()
@@ -41,7 +49,15 @@ def connect_read_only(path: Path) -> sqlite3.Connection:
         con.close()
         if "unable to open" not in str(exc) and "readonly" not in str(exc) and "read-only" not in str(exc):
             raise
-    return _connect(path, "mode=ro&immutable=1")
+    wal = path.with_name(path.name + "-wal")
+    if not wal.exists():
+        return _connect(path, "mode=ro&immutable=1")
+    tmp = Path(tempfile.mkdtemp(prefix="portharness-ro-"))
+    shutil.copyfile(path, tmp / path.name)
+    shutil.copyfile(wal, tmp / wal.name)
+    con = _connect(tmp / path.name, "mode=ro")
+    weakref.finalize(con, shutil.rmtree, tmp, True)
+    return con
 
 
 def check_integrity(path: Path) -> None:
@@ -53,9 +69,10 @@ def check_integrity(path: Path) -> None:
         problems = [str(exc)]
     finally:
         con.close()
-    if problems != ["ok"]:
+    if problems != ["ok"]:  # one line: the CLI's error is one line
         raise StoreError(
-            f"{path} fails SQLite's integrity check ({'; '.join(problems)[:300]}); it was left untouched. "
+            f"{path} fails SQLite's integrity check ({' '.join('; '.join(problems).split())[:300]}); it was left "
+            "untouched. "
             "Restore it from a backup/artifact or pass another --db path."
         )
 
@@ -111,3 +128,9 @@ def inspect(path: Path) -> str:
             "it was left untouched. Upgrade portharness to read it."
         )
     return "ours"
+
+
+def usable(path: Path) -> None:
+    """An existing file we may add rows to: ours (`inspect`) and with no damaged page (`check_integrity`)."""
+    if inspect(path) == "ours":
+        check_integrity(path)

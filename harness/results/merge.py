@@ -7,11 +7,14 @@ same (list, target, settings, N) are combined only when every shard index appear
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.outcomes import DEVICE_SIDE
 from harness.results.dbfile import StoreError
 from harness.results.store import TABLES, ResultStore
 
@@ -63,14 +66,29 @@ def _merged_run(rows: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
     return base
 
 
+@dataclass
+class MergeResult:
+    rows: int  # distinct rows written (an overlapping key counts once)
+    overlaps: list[str] = field(default_factory=list)  # "<table> <model/op...>: kept <db> (<why>)"
+
+
+def _completeness(row: dict[str, Any], finished: bool) -> tuple:
+    """Which of two rows for one key to keep: a model's own result over a device error, a row of a
+    finished run over an interrupted one, more attempts, then the later one."""
+    attempts = row.get("attempts")
+    n_attempts = len(json.loads(attempts)) if isinstance(attempts, str) and attempts.startswith("[") else 0
+    return (row.get("outcome") not in DEVICE_SIDE, finished, n_attempts, row.get("finished_at") or "")
+
+
 def merge_stores(
     dst: str | os.PathLike, srcs: Iterable[str | os.PathLike], *, combine_shards: bool = True
-) -> int:
-    """Merge shard DBs into ``dst`` (created if needed); returns result + collective rows merged.
+) -> MergeResult:
+    """Merge shard DBs into ``dst`` (created if needed).
 
     Every source is validated first (missing, corrupt, foreign -> StoreError, nothing written).
     With ``combine_shards`` the per-shard runs of one night become one run, so the matrix, report and
-    diff see the whole night; rows of the same key are upserted (later sources win).
+    diff see the whole night. Where two sources have a row for the same key (overlapping shards, a run
+    merged twice) the more complete one is kept (`_completeness`) and the overlap is reported.
     """
     dst_path = Path(dst)
     src_paths = [Path(s) for s in srcs]
@@ -93,15 +111,26 @@ def merge_stores(
             out.put_raw_runs(
                 [_merged_run([existing[rid], *rows] if rid in existing else rows, rid) for rid, rows in by_id.items()]
             )
-            n = 0
-            for st in opened:
-                for table in TABLES:
-                    rows = st.raw_rows(table)
-                    for r in rows:
+            result = MergeResult(rows=0)
+            for table, spec in TABLES.items():
+                best: dict[tuple, tuple[tuple, dict[str, Any], Path]] = {}
+                for st, path in zip(opened, src_paths, strict=True):
+                    finished = {r["run_id"] for r in st.raw_runs() if r.get("finished_at")}
+                    for r in st.raw_rows(table):
+                        rank = _completeness(r, r["run_id"] in finished)
                         r["run_id"] = mapping.get(r["run_id"], r["run_id"])
-                    out.put_raw_rows(table, rows)
-                    n += len(rows)
-        return n
+                        key = tuple(r[c] for c in spec.key)
+                        if key in best:
+                            keep = rank > best[key][0]
+                            kept = path if keep else best[key][2]
+                            label = r.get("model_id") or r.get("op") or r.get("scenario") or ""
+                            result.overlaps.append(f"{table} {label}: kept {kept.name}")
+                            if not keep:
+                                continue
+                        best[key] = (rank, r, path)
+                out.put_raw_rows(table, [r for _, r, _ in best.values()])
+                result.rows += len(best)
+        return result
     finally:
         for st in opened:
             st.close()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import Any
 
 from harness.run.memory import rss_mb
 
-PRELOAD = ["torch", "transformers"]
+PRELOAD = ["torch", "transformers", "harness.run.forkserver_guard"]
 
 
 def context(preload: Iterable[str] = PRELOAD) -> Any:
@@ -197,8 +199,24 @@ class Pool:
         self.workers.clear()
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so a `kill -9` of the
+    supervisor (whose death ends the forkserver, these workers' parent) leaves no worker behind, even
+    one stuck in a hung kernel."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def serve(conn: Any, handle: Callable[[Any], Any]) -> None:
     """Child side: announce readiness, then answer each job with `handle(job)` until told to stop."""
+    die_with_parent()
     conn.send({"type": "ready", "pid": os.getpid()})
     while True:
         try:

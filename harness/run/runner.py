@@ -112,17 +112,22 @@ def run_models(
 
     Everything that can be wrong with the configuration or the target is found before the DB is opened,
     so bad input leaves it as it was."""
-    config.validate()
+    fleet = plan(config)
     shard(entries, shard_spec)  # validates the spec
-    load_backends(config.backends)
-    _adapter, found = resolve_target(config.target)
-    fleet = policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
-                         quarantine_after=config.quarantine_after, retries=config.retries)
     store = ResultStore(db_path)
     try:
         return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv).run()
     finally:
         store.close()
+
+
+def plan(config: RunConfig) -> policy.Fleet:
+    """Check the configuration and the target (ValueError saying what is wrong); the devices to use."""
+    config.validate()
+    load_backends(config.backends)
+    _adapter, found = resolve_target(config.target)
+    return policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
+                        quarantine_after=config.quarantine_after, retries=config.retries)
 
 
 def _death(w: Worker, timeout_s: float) -> Measurement:

@@ -1,0 +1,331 @@
+"""Bad input, damaged or read-only DBs, resume identity, device faults and signals: one test per case,
+each through the real CLI (subprocesses), with nothing already recorded touched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LIST_HEADER, list_rows
+
+from harness.results.merge import merge_stores
+from harness.results.rows import ResultRow, RunInfo
+from harness.results.store import ResultStore
+
+EXACT = ["--precision", "highest", "--ops", "full"]
+EXACT_SETTINGS = {"ops": "full", "precision": "highest"}
+PAIRS = [("bert", "base"), ("gpt2", "base"), ("llama", "base"), ("opt", "base")]
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**base, **(env or {})})
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def a_list(tmp_path: Path, pairs=PAIRS, name: str = "l.csv") -> Path:
+    lst = tmp_path / name
+    lst.write_text(LIST_HEADER + list_rows(pairs))
+    return lst
+
+
+def unfinished_run(db: Path, lst: Path, done: list[str], settings=EXACT_SETTINGS, shard: str = "1/1") -> str:
+    """A run interrupted after `done` models, as a kill -9 would leave it."""
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo(list_name=str(lst), target="sim", settings=dict(settings), shard=shard))
+        for m in done:
+            st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings=dict(settings), outcome="pass"))
+    return rid
+
+
+# 1. validation before any run row; --resume never picks an empty run ------------------------------
+
+
+def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path) -> None:
+    lst = a_list(tmp_path)
+    db = tmp_path / "r.db"
+    rid = unfinished_run(db, lst, ["tiny/bert/base", "tiny/gpt2/base", "tiny/llama/base"])
+    before = digest(db)
+    for bad, message in ((["--target", "foo"], "torch knows no device 'foo'"),
+                         (["--spare", "5"], "--spare 5 leaves no active device"),
+                         (["--jobs", "0"], "--jobs 0"), (["--jobs", "-3"], "--jobs -3"),
+                         (["--timeout", "0"], "--timeout 0"), (["--timeout", "-5"], "--timeout -5"),
+                         (["--mem-cap-mb", "-100"], "--mem-cap-mb -100"), (["--limit", "-1"], "--limit -1"),
+                         (["--shard", "3/2"], "bad shard"), (["--retries", "-1"], "--retries -1")):
+        r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, *bad, timeout=120)
+        assert r.returncode == 2, (bad, r.stderr[-1500:])
+        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+        assert digest(db) == before, bad  # nothing written, not even an empty run row
+    with ResultStore(db) as st:  # an empty run left by an older portharness must not win the resume
+        st.begin_run(RunInfo(list_name=str(lst), target="sim", settings=dict(EXACT_SETTINGS)))
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--resume", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resumed run {rid} (3 models already done)" in r.stderr
+    with ResultStore(db) as st:
+        assert len(st.results(rid)) == 4
+
+
+# 3. worker start-up deadline ------------------------------------------------------------------------
+
+
+def test_workers_that_never_start_end_the_run_with_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    from harness.models.model_list import load_model_list
+    from harness.run.runner import RunConfig, WorkerStartupError, run_models
+
+    # A backend module that hangs while a worker loads it (the supervisor imports it fine).
+    (tmp_path / "stuck_backend.py").write_text(
+        "import multiprocessing, time\nif multiprocessing.parent_process() is not None:\n    time.sleep(3600)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cfg = RunConfig(settings=dict(EXACT_SETTINGS), startup_timeout_s=2, backends=["stuck_backend"], progress=False)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerStartupError, match="not ready within 2s"):
+        run_models(load_model_list(str(a_list(tmp_path, PAIRS[:1]))), cfg, tmp_path / "r.db")
+    assert time.monotonic() - t0 < 120
+
+
+# 4. a malformed op profile is refused by the CLI -----------------------------------------------------
+
+
+def test_malformed_profile_is_bad_input(tmp_path: Path) -> None:
+    prof = tmp_path / "ops.txt"
+    prof.write_text("aten::add.Tensor\naten::mul, aten::div\n")
+    r = cli("run", "--list", str(a_list(tmp_path)), "--db", str(tmp_path / "r.db"), "--ops", str(prof))
+    assert r.returncode == 2 and f"{prof}:2: bad op name" in r.stderr
+    assert not (tmp_path / "r.db").exists()
+
+
+# 5. read-only media -----------------------------------------------------------------------------------
+
+
+def test_a_db_on_read_only_media_is_readable(tmp_path: Path) -> None:
+    """A real read-only mount (tmpfs remounted ro in a user namespace), holding a DB whose last rows are
+    still in its -wal file: plain mode=ro cannot open it (no -shm can be created)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs unshare -rm (user + mount namespaces) to mount read-only media")
+    db = tmp_path / "w.db"
+    st = ResultStore(db)  # kept open: the -wal file holds the committed rows
+    rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}))
+    st.record(ResultRow(run_id=rid, model_id="m/1", target="sim", settings={"ops": "young"}, outcome="pass"))
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    shutil.copy(db, src / "w.db")
+    shutil.copy(f"{db}-wal", src / "w.db-wal")
+    py = sys.executable
+    script = f"""set -e
+mount -t tmpfs none {mnt}; cp {src}/w.db {src}/w.db-wal {mnt}/; mount -o remount,ro {mnt}
+{py} -m harness.cli matrix --db {mnt}/w.db
+{py} -m harness.cli report --db {mnt}/w.db --out {tmp_path}/site
+{py} -m harness.cli diff --base-db {mnt}/w.db --head-db {mnt}/w.db --base {rid} --head {rid}
+{py} -m harness.cli merge --out {tmp_path}/merged.db {mnt}/w.db"""
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600)
+    st.close()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "m/1" in r.stdout and "merged 1 rows" in r.stdout and "corrupt" not in r.stderr
+
+
+# 6. damaged pages ---------------------------------------------------------------------------------------
+
+
+def test_damaged_pages_are_refused_and_the_file_left_alone(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}))
+        for i in range(200):
+            st.record(ResultRow(run_id=rid, model_id=f"m{i}", target="sim", settings={"ops": "young"},
+                                outcome="pass", traceback="x" * 500))
+    data = bytearray(db.read_bytes())
+    data[4096 * 5 : 4096 * 5 + 16] = b"\xff" * 16  # inside a data page: the header and meta stay intact
+    db.write_bytes(bytes(data))
+    before = digest(db)
+    r = cli("run", "--list", str(a_list(tmp_path)), "--db", str(db), *EXACT)
+    assert r.returncode == 2 and "integrity" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert digest(db) == before
+
+
+# 7. a run's identity: shard, seed, fault injection ------------------------------------------------------
+
+
+def test_resume_matches_shard_seed_and_faults(tmp_path: Path) -> None:
+    lst = a_list(tmp_path)
+    db = tmp_path / "r.db"
+    one = unfinished_run(db, lst, ["tiny/bert/base"], shard="1/2")
+    two = unfinished_run(db, lst, ["tiny/gpt2/base"], shard="2/2")
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--shard", "1/2", "--resume", "--quiet")
+    assert r.returncode == 0 and f"resumed run {one}" in r.stderr, r.stderr[-2000:]
+    with ResultStore(db) as st:
+        runs = st.runs().set_index("run_id")
+        assert runs.loc[one].finished_at and not runs.loc[two].finished_at  # shard 2's run untouched
+        assert set(st.results(two).model_id) == {"tiny/gpt2/base"}
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--shard", "2/2", "--seed", "7", "--resume",
+            "--quiet")
+    assert r.returncode == 0 and "no unfinished run matches" in r.stderr, r.stderr[-2000:]
+    with ResultStore(db) as st:
+        assert set(st.results(two).model_id) == {"tiny/gpt2/base"}  # another seed never mixes into it
+        seeded = st.latest_run(settings={**EXACT_SETTINGS, "seed": 7})
+        assert seeded and len(st.results(seeded)) == 2
+    unfinished_run(db, lst, ["tiny/bert/base"], shard="1/1")
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--fault", "sim:0=nan:0.5", "--resume", "--quiet")
+    assert "no unfinished run matches" in r.stderr  # a resume with faults is another experiment
+
+
+# 8. device errors are never a model's result ------------------------------------------------------------
+
+
+def test_device_errors_rerun_on_a_healthy_device(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    env = {"PORTHARNESS_SIM_DEVICES": "3", "PORTHARNESS_SIM_FAULTS": "sim:0=error:1.0;sim:1=error:1.0"}
+    r = cli("run", "--list", str(a_list(tmp_path)), "--db", str(db), *EXACT, "--jobs", "2", "--spare", "1",
+            "--quiet", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with ResultStore(db) as st:
+        rows = st.results().to_dict("records")
+    assert len(rows) == 4
+    for row in rows:
+        assert row["outcome"] == "pass" and row["device"] == "sim:2", (row["model_id"], row["outcome"], row["attempts"])
+        assert all(a["outcome"] == "device_error" for a in row["attempts"][:-1])
+    assert "quarantining sim:0" in r.stderr and "quarantining sim:1" in r.stderr
+
+
+# 9. signals leave no process behind and a resumable run ------------------------------------------------
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if os.getsid(int(p.name)) == sid:
+                    pids.append(int(p.name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
+def _wait_gone(sid: int, seconds: float = 30.0) -> list[int]:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        left = _session_pids(sid)
+        if not left:
+            return []
+        time.sleep(0.3)
+    return _session_pids(sid)
+
+
+def _start_mid_run(tmp_path: Path, patho, name: str) -> tuple[subprocess.Popen, Path, list[str]]:
+    lst = tmp_path / f"{name}.csv"
+    lst.write_text(LIST_HEADER + list_rows(PAIRS[:2]) + patho.rows(dict([patho("hang")])))
+    db = tmp_path / f"{name}.db"
+    args = ["run", "--list", str(lst), "--db", str(db), *EXACT, "--jobs", "2", "--quiet", "--timeout", "300",
+            "--retries", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # the two quick models done, the hanging one in flight
+        time.sleep(0.3)
+        if db.exists():
+            try:
+                with sqlite3.connect(db, timeout=5) as c:
+                    if c.execute("SELECT count(*) FROM results").fetchone()[0] >= 2:
+                        break
+            except sqlite3.OperationalError:
+                pass
+    time.sleep(1.0)
+    return proc, db, args
+
+
+def test_sigterm_stops_cleanly_and_resumably(tmp_path: Path, patho) -> None:
+    proc, db, args = _start_mid_run(tmp_path, patho, "term")
+    sid = os.getsid(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "terminated (SIGTERM); finished rows are saved (use --resume)" in err
+    assert _wait_gone(sid) == []  # workers (one hung), forkserver, resource tracker: all gone
+    with ResultStore(db) as st:
+        assert len(st.results()) == 2 and not st.runs().iloc[0].finished_at
+
+
+def test_kill_9_of_the_supervisor_leaves_no_process(tmp_path: Path, patho) -> None:
+    proc, db, args = _start_mid_run(tmp_path, patho, "kill")
+    sid = os.getsid(proc.pid)
+    assert len(_session_pids(sid)) >= 3  # supervisor, forkserver, workers
+    os.kill(proc.pid, signal.SIGKILL)  # the supervisor alone, not its process group
+    proc.communicate(timeout=60)
+    assert _wait_gone(sid) == []
+
+
+# 10. diff refuses incomparable runs unless they are named ------------------------------------------------
+
+
+def test_diff_of_incomparable_runs(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.db", tmp_path / "b.db"
+    with ResultStore(a) as st:
+        ra = st.begin_run(RunInfo("smoke", "sim", {"ops": "young"}))
+        st.record(ResultRow(run_id=ra, model_id="m", target="sim", settings={"ops": "young"}, outcome="pass"))
+    with ResultStore(b) as st:
+        rb = st.begin_run(RunInfo("tiny-zoo", "sim", {"ops": "full"}))
+        st.record(ResultRow(run_id=rb, model_id="m", target="sim", settings={"ops": "full"}, outcome="crash"))
+    r = cli("diff", "--base-db", str(a), "--head-db", str(b))
+    assert r.returncode == 2 and "not comparable: different list, settings" in r.stderr, r.stderr
+    r = cli("diff", "--base-db", str(a), "--head-db", str(b), "--base", ra, "--head", rb)
+    assert r.returncode in (0, 1), r.stderr  # named explicitly: compared as asked
+
+
+# 11. CSV formulas, a UTF-8 BOM, overlapping shards ------------------------------------------------------
+
+
+def test_csv_export_defuses_formulas(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}))
+        for m in ("=cmd|' /C calc'!A0", "+1+1", "@SUM(A1)", "-2", "plain"):
+            st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings={"ops": "young"}, outcome="pass"))
+    out = tmp_path / "m.csv"
+    assert cli("matrix", "--db", str(db), "--out", str(out)).returncode == 0
+    cells = [line.split(",")[0] for line in out.read_text().splitlines()[1:]]
+    assert sorted(cells) == sorted(["'=cmd|' /C calc'!A0", "'+1+1", "'@SUM(A1)", "'-2", "plain"])
+
+
+def test_a_list_saved_with_a_bom_is_read(tmp_path: Path) -> None:
+    from harness.models.model_list import load_model_list
+
+    lst = tmp_path / "bom.csv"
+    lst.write_bytes(b"\xef\xbb\xbf" + (LIST_HEADER + list_rows(PAIRS[:1])).encode())
+    assert [e.id for e in load_model_list(str(lst))] == ["tiny/bert/base"]
+
+
+def test_merge_reports_overlaps_and_keeps_the_finished_attempt(tmp_path: Path) -> None:
+    a, b = tmp_path / "shard-1.db", tmp_path / "shard-2.db"
+    rows = {}
+    for db, shard, outcome, finish in ((a, "1/2", "pass", True), (b, "2/2", "device_error", False)):
+        with ResultStore(db) as st:
+            rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}, shard=shard))
+            st.record(ResultRow(run_id=rid, model_id="shared", target="sim", settings={"ops": "young"},
+                                outcome=outcome, attempts=[{"device": "sim:0", "outcome": outcome}]))
+            st.record(ResultRow(run_id=rid, model_id=f"only-{shard[0]}", target="sim", settings={"ops": "young"},
+                                outcome="pass"))
+            if finish:
+                st.finish_run(rid)
+        rows[shard] = rid
+    res = merge_stores(tmp_path / "m.db", [a, b])
+    assert res.rows == 3 and len(res.overlaps) == 1 and "kept shard-1.db" in res.overlaps[0]
+    with ResultStore(tmp_path / "m.db") as st:
+        by = {r["model_id"]: r for r in st.results().to_dict("records")}
+    assert by["shared"]["outcome"] == "pass"
+    r = cli("merge", "--out", str(tmp_path / "m2.db"), str(b), str(a))  # order does not matter
+    assert "merged 3 rows" in r.stdout and "1 key(s) appeared in more than one DB" in r.stderr
