@@ -16,6 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness.models.heads import HEADS
+
 DEFAULT_DB = "results/portharness.db"
 
 
@@ -32,7 +34,15 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", default=None, help="sim op profile: young (default), full, or a profile file")
     p.add_argument("--attn", default=None, choices=["eager", "sdpa", "flex_attention"],
                    help="force an attention implementation (flex_attention reproduces the classic coverage gap)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per model before its worker is killed")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per model after loading before its worker is killed")
+    p.add_argument("--load-timeout", type=float, default=900.0,
+                   help="seconds a model may take to load (its own budget: real checkpoints load slowly)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "auto"],
+                   help="load weights as fp32 (default: the reference is fp32), bf16, fp16, or auto "
+                        "(the checkpoint's torch_dtype)")
+    p.add_argument("--oracle-max-params", type=int, default=None, metavar="N",
+                   help="largest model judged against an fp64 oracle (beyond: the cosine/allclose fallback)")
     p.add_argument("--mem-cap-mb", type=int, default=8192, help="extra memory a worker may take (0 = no cap)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault", default=None,
@@ -44,8 +54,11 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
                    help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
                         "grad-scale; comma-separated) to see the verdict catch them")
-    p.add_argument("--no-op-check", dest="op_check", action="store_false",
-                   help="skip the kernel-conformance check (each op judged on its own inputs against the CPU)")
+    p.add_argument("--op-check", default="auto", choices=["auto", "all", "sampled", "off"],
+                   help="kernel-conformance check (each op judged on its own inputs against the CPU): every call "
+                        "(all), the first calls of each op signature (sampled), or none; auto = all up to 50M "
+                        "parameters, sampled above")
+    p.add_argument("--no-op-check", dest="op_check", action="store_const", const="off", help="same as --op-check off")
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     _backend_option(p)
@@ -65,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared")
     p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
     _target_options(p)
+    p.add_argument("--task", default=None, choices=sorted(HEADS), metavar="TASK",
+                   help="head to load a local or hub checkpoint with (default: the one it was saved with, from "
+                        "its config's architectures; base for hub ids)")
     p.add_argument("--json", action="store_true", help="print the full result row as JSON")
     p.add_argument("--db", default=None, help="also record the row in this result DB")
     p.set_defaults(func=cmd_check)
@@ -171,15 +187,18 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     load_backends(modules)
     adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics"):
+    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
-    if not args.op_check:
-        options["op_check"] = False  # a different rule judged the run: part of its identity
+    if args.dtype not in (None, "fp32"):
+        options["dtype"] = args.dtype
+    if args.op_check != "auto":
+        options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
     settings = adapter.check_settings(options)
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
     return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
+                     load_timeout_s=args.load_timeout,
                      mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
 
 
@@ -190,8 +209,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     from harness.results.store import ResultStore
     from harness.run.runner import run_models
 
-    config = _run_config(args, jobs=1, retries=0, progress=False)  # validate settings before any lookup
-    entry = find_entry(args.model)
+    # One model: its worker forks from this process (one import of torch and transformers, not two) and
+    # still isolates a segfault or a hang from the CLI.
+    config = _run_config(args, jobs=1, retries=0, progress=False, fork_workers=True)
+    entry = find_entry(args.model, task=args.task)
     if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it
         config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
     with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.outcomes import OUTCOMES, headline
+from harness.results.rows import PHASES
 
 _VERDICT_FIELDS = [
     ("outcome", None),
@@ -31,6 +32,8 @@ _VERDICT_FIELDS = [
     ("max abs err", "max_abs_err"),
     ("max rel err", "max_rel_err"),
     ("min cosine", "min_cosine"),
+    ("judged by", None),
+    ("phases s (peak MB)", None),
     ("load / ref / target s", None),
     ("peak RSS MB", "peak_rss_mb"),
 ]
@@ -67,6 +70,18 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
     if label == "first drifting module":
         m = row.get("first_drift_module")
         return f"{m} ({row.get('first_drift_module_type', '')})" if m else None
+    if label == "judged by":
+        parts = [f"{row['oracle']} oracle"] if row.get("oracle") else []
+        if row.get("ops_checked") is not None:
+            sampled = row.get("ops_sampled_out")
+            parts.append(f"{row['ops_checked']} op calls checked" + (f" ({sampled} repeats sampled out)" if sampled else ""))
+        return "; ".join(parts) or None
+    if label == "phases s (peak MB)":
+        phases = row.get("phases") or {}
+        if not isinstance(phases, dict) or not phases:
+            return None
+        order = sorted(phases, key=lambda n: PHASES.index(n) if n in PHASES else len(PHASES))
+        return ", ".join(f"{n} {phases[n].get('s', 0):.2f} ({phases[n].get('peak_rss_mb', 0):.0f})" for n in order)
     ts = [row.get(k) for k in ("load_time_s", "ref_time_s", "target_time_s")]
     return " / ".join("-" if t is None else f"{t:.3f}" for t in ts)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class PathoModel(PreTrainedModel):
 
     def __init__(self, config):
         super().__init__(config)
+        if config.behaviour.startswith("slow-load") and not os.environ.get("PATHO_BUILDING"):
+            time.sleep(float(config.behaviour.partition(":")[2] or 3600))  # loading, not running, is slow
         self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.proj = torch.nn.Linear(config.hidden_size, config.hidden_size)
         self.post_init()
@@ -70,14 +73,16 @@ def _load_module(path: Path, name: str):
 
 
 def build(root: Path, behaviour: str) -> Path:
-    """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU."""
+    """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU, or
+    takes long to load (`slow-load:SECONDS`, an hour without SECONDS)."""
     import torch
 
-    d = root / f"patho-{behaviour}"
+    d = root / f"patho-{behaviour.replace(':', '-')}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "configuration_patho.py").write_text(CONFIG_PY)
     (d / "modeling_patho.py").write_text(MODELING_PY.replace("from .configuration_patho", "from configuration_patho"))
     sys.path.insert(0, str(d))
+    os.environ["PATHO_BUILDING"] = "1"
     try:
         cfg_mod = _load_module(d / "configuration_patho.py", "configuration_patho")
         model_mod = _load_module(d / "modeling_patho.py", f"modeling_patho_{behaviour}")
@@ -86,6 +91,7 @@ def build(root: Path, behaviour: str) -> Path:
         model = model_mod.PathoModel(cfg)
         model.save_pretrained(d)
     finally:
+        os.environ.pop("PATHO_BUILDING", None)
         sys.path.remove(str(d))
         sys.modules.pop("configuration_patho", None)
     # The shipped code uses the relative import transformers' dynamic-module loader expects.

@@ -81,8 +81,11 @@ for f in (lambda: x.sort(stable=True), lambda: torch.zeros(3, dtype=torch.long).
 
 
 def test_device_death_mid_run_is_a_device_error_then_quarantine_then_resume(toy_python: Path, tmp_path: Path) -> None:
+    # long enough that the death lands mid-run even when this test's own polling is starved of CPU
     pairs = [("bert", "base"), ("gpt2", "base"), ("llama", "base"), ("t5", "base"), ("vit", "base"),
-             ("opt", "base"), ("mistral", "base"), ("qwen2", "base")]
+             ("opt", "base"), ("mistral", "base"), ("qwen2", "base"), ("bert", "masked-lm"), ("gpt2", "causal-lm"),
+             ("llama", "causal-lm"), ("opt", "causal-lm"), ("mistral", "causal-lm"), ("qwen2", "causal-lm"),
+             ("bert", "seq-cls"), ("gpt2", "seq-cls")]
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows(pairs))
     db, dead = tmp_path / "r.db", tmp_path / "toy-dead"

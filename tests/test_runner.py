@@ -114,6 +114,21 @@ def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path, patho) ->
     assert summary.unfinished == 0 and time.monotonic() - t0 < 300
 
 
+def test_loading_has_its_own_budget(tmp_path: Path, patho) -> None:
+    """A load longer than --timeout is fine (the budget for running starts when loading ends); a load
+    longer than --load-timeout is a timeout that says it was still loading."""
+    lst = tmp_path / "l.csv"
+    lst.write_text(HEADER + patho.rows(dict([patho("slow-load:8"), patho("slow-load")])))
+    db = tmp_path / "r.db"
+    run_models(load_model_list(str(lst)), RunConfig(settings=EXACT, jobs=1, retries=0, timeout_s=5, load_timeout_s=20,
+                                                    progress=False), db, list_name="slow")
+    got = {r["model_id"]: r for r in rows(db)}
+    assert got["patho/slow-load:8"]["outcome"] == "pass", got["patho/slow-load:8"]["error_message"]
+    assert got["patho/slow-load:8"]["phases"]["load"]["s"] >= 8
+    hung = got["patho/slow-load"]
+    assert hung["outcome"] == "timeout" and "still loading after 20s (--load-timeout)" in hung["error_message"]
+
+
 def test_kill_9_then_resume_loses_nothing(tmp_path: Path, patho) -> None:
     # A hanging model guarantees the run is still going when it is killed; on resume it times out.
     hang = patho.rows(dict([patho("hang")]))

@@ -95,7 +95,8 @@ class Adapter:
                 f"--precision {precision!r}: {self.kind} supports {', '.join(self.precisions)}"
             )
         for key in out:
-            if key not in ("precision", "attn", "declared_precision", "op_check", *self.options):
+            if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
+                           *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         return out
 

@@ -89,3 +89,14 @@ def candidates() -> list[tuple[str, str]]:
                 out.append((mt, task))
     return sorted(set(out))
 
+
+
+def task_for_architecture(model_type: str, class_name: str) -> str | None:
+    """The head a checkpoint was saved with (``architectures[0]`` in its config), e.g. GPT2LMHeadModel ->
+    causal-lm; ``pretraining`` only when no more specific head has that class (it lists LM heads too)."""
+    order = ["base"] + [t for t in HEADS if t not in ("base", "pretraining")] + ["pretraining"]
+    for task in order:
+        names = head_mapping(task).get(model_type)
+        if names == class_name or (isinstance(names, (tuple, list)) and class_name in names):
+            return task
+    return None

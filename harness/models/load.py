@@ -113,7 +113,7 @@ def _classify(exc: BaseException, entry: ModelEntry, attn_implementation: str | 
 
 
 def _from_pretrained(
-    entry: ModelEntry, name: str, dtype: torch.dtype, attn_implementation: str | None
+    entry: ModelEntry, name: str, dtype: torch.dtype | str, attn_implementation: str | None
 ) -> Any:
     kwargs: dict[str, Any] = {
         "dtype": dtype,
@@ -129,23 +129,43 @@ def _from_pretrained(
     return auto_class(entry.task).from_pretrained(name, **kwargs)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """`--dtype` as transformers takes it: fp32 (the default: the reference is fp32), bf16, fp16, or
+    ``auto`` (the checkpoint's own ``torch_dtype``)."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)} or auto")
+    return DTYPES[dtype]
+
+
 def load_model(
     entry: ModelEntry,
     *,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype | None = None,
     attn_implementation: str | None = None,
 ) -> LoadedModel:
-    """Load ``entry`` as an eval-mode model on CPU.
+    """Load ``entry`` as an eval-mode model on CPU, in `dtype` (see `load_dtype`).
 
-    ``attn_implementation`` ("eager", "sdpa", "flex_attention", ...) is passed to transformers,
-    which applies it to every sub-config.  Raises LoadError (or a subclass) on failure.
+    Sharded and single-file safetensors (memory-mapped by transformers, so only one copy of the weights
+    is ever built), ``.bin`` checkpoints, local save_pretrained directories and hub ids (through the
+    huggingface_hub cache) all go through ``from_pretrained``. ``attn_implementation`` ("eager", "sdpa",
+    "flex_attention", ...) is passed to transformers, which applies it to every sub-config. Raises
+    LoadError (or a subclass) on failure.
     """
+    dtype = load_dtype(dtype)
     t0 = time.perf_counter()
     try:
         if entry.source == "tiny":
             model = build_tiny(
-                entry.arch, entry.task, seed=seed, dtype=dtype, attn_implementation=attn_implementation
+                entry.arch, entry.task, seed=seed, dtype=torch.float32 if dtype == "auto" else dtype,
+                attn_implementation=attn_implementation,
             )
         elif entry.source == "local":
             if not entry.path or not os.path.isdir(entry.path):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.models.heads import HEADS
+from harness.models.heads import HEADS, task_for_architecture
 
 COLUMNS = (
     "id",
@@ -315,14 +315,16 @@ def find_entry(
         known.extend(e.id for e in entries)
     path = Path(model_id).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        arch = ""
+        arch, saved_as = "", ""
         try:
-            arch = str(json.loads((path / "config.json").read_text()).get("model_type", ""))
-        except (OSError, ValueError):
+            config = json.loads((path / "config.json").read_text())
+            arch = str(config.get("model_type", ""))
+            saved_as = str((config.get("architectures") or [""])[0])
+        except (OSError, ValueError, AttributeError, TypeError, IndexError):
             pass
-        return ModelEntry(
-            id=str(path), source="local", arch=arch, task=task or "base", path=str(path.resolve())
-        )
+        # the head it was saved with (GPT2LMHeadModel -> causal-lm) unless --task says otherwise
+        task = task or (task_for_architecture(arch, saved_as) if arch and saved_as else None) or "base"
+        return ModelEntry(id=str(path), source="local", arch=arch, task=task, path=str(path.resolve()))
     if model_id.startswith("tiny/"):
         close = difflib.get_close_matches(model_id, known, n=5, cutoff=0.5)
         hint = f"close matches: {', '.join(close)}" if close else "run `portharness zoo` to list tiny models"

@@ -20,6 +20,7 @@ from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_bars, svg_histogram, svg_outcome_bar
+from harness.results.rows import PHASES
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -219,6 +220,28 @@ def _attempts_view(attempts: Any) -> tuple[list[dict[str, str]], list[str]]:
     return rows, cols
 
 
+def _phases_view(phases: Any) -> list[dict[str, str]]:
+    """Per-phase seconds and peak RSS, in the order the pipeline ran them."""
+    if not isinstance(phases, dict):
+        return []
+    order = sorted(phases, key=lambda n: (PHASES.index(n) if n in PHASES else len(PHASES), n))
+    return [{"phase": n, "s": fmt(phases[n].get("s")), "peak_rss_mb": fmt(phases[n].get("peak_rss_mb"))}
+            for n in order if isinstance(phases[n], dict)]
+
+
+def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """Which rules judged the row: the fp64 oracle's form and the op check's coverage."""
+    out = []
+    if _text(r.get("oracle")) not in ("", "nan"):
+        out.append(("fp64 oracle", _text(r.get("oracle"))))
+    checked = as_number(r.get("ops_checked"))
+    if checked is not None:
+        sampled = as_number(r.get("ops_sampled_out"))
+        out.append(("op check", f"{int(checked)} op calls judged"
+                    + (f", {int(sampled)} repeats of a judged signature sampled out" if sampled else "")))
+    return out
+
+
 def row_view(r: dict[str, Any]) -> dict[str, Any]:
     """Everything one model page needs for one (target, settings) row, with numbers formatted."""
     metrics = r.get("metrics") or {}
@@ -247,6 +270,8 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "attempts": attempts,
         "attempt_cols": attempt_cols,
         "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if as_number(r.get(key)) is not None],
+        "phases": _phases_view(r.get("phases")),
+        "judged_by": _judged_by(r),
         "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],
         "finished_at": _text(r.get("finished_at")),
     }

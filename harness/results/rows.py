@@ -18,6 +18,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+# The pipeline's phases, in the order they run (a row's `phases` holds those it reached).
+PHASES = ("load", "reference", "oracle", "expected", "target", "compare", "localize")
+
 
 @dataclass(kw_only=True)
 class Attempt:
@@ -51,6 +54,7 @@ class Measurement:
     first_drift_op_inputs: list = field(default_factory=list)  # ... its tensor inputs, "float32[2, 16, 64]"
     first_drift_op_ratio: float | None = None
     ops_checked: int | None = None  # ops the kernel-conformance check judged (None: not run)
+    ops_sampled_out: int | None = None  # op calls the sampled check left unjudged (None: every call judged)
     repro_path: str = ""  # standalone repro script of the first diverging op
     max_abs_err: float | None = None
     max_rel_err: float | None = None
@@ -72,6 +76,8 @@ class Measurement:
     target_time_s: float | None = None
     wall_time_s: float | None = None
     peak_rss_mb: float | None = None
+    phases: dict = field(default_factory=dict)  # phase (PHASES) -> {"s": seconds, "peak_rss_mb": MB}
+    oracle: str = ""  # which fp64 rule judged it: fp64-copy, fp64-streamed, none (why)
 
 
 @dataclass(kw_only=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
+import time
+from collections.abc import Callable, Iterator
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -61,3 +64,38 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak_mb = max(self.peak_mb, self._now())
+
+
+class PhaseClock:
+    """Wall time and peak resident memory per pipeline phase (load, reference, oracle, ...).
+
+    One sampler for the whole model; each phase reads the peak since it began, so a phase that holds a
+    second copy of the weights shows it."""
+
+    def __init__(self, on_phase: Callable[[str], None] | None = None) -> None:
+        self.rss = PeakRss()
+        self.phases: dict[str, dict[str, float]] = {}
+        self._on_phase = on_phase
+
+    def __enter__(self) -> PhaseClock:
+        self.rss.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.rss.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._on_phase is not None:
+            self._on_phase(name)
+        start, t0 = self.rss.peak_mb, time.perf_counter()
+        self.rss.peak_mb = self.rss._now()  # the phase's own peak, not the model's so far
+        try:
+            yield
+        finally:
+            peak = max(self.rss.peak_mb, self.rss._now())
+            self.phases[name] = {"s": round(time.perf_counter() - t0, 4), "peak_rss_mb": round(peak, 1)}
+            self.rss.peak_mb = max(start, peak)
+
+    def seconds(self, name: str) -> float | None:
+        return self.phases[name]["s"] if name in self.phases else None

@@ -11,6 +11,11 @@ declared contract (*expected*) and in fp64 (*oracle*). The op passes when
 because ops see every magnitude. The first op that fails is where the drift enters: its name, module
 path, input shapes and dtypes, and its inputs (for a standalone repro). Views, copies and factories are
 exact by construction and skipped; integer results are not judged (ties may legitimately differ).
+
+A real checkpoint repeats the same kernels once per layer: with `per_signature` set, only the first
+calls of each signature (op, input dtypes/shapes/strides, non-tensor arguments) are judged and the rest
+counted in `sampled_out`. Same kernel, same code path; what sampling can miss is a bug that shows only
+at values a later layer reaches, which the model's outputs are still judged for.
 """
 
 from __future__ import annotations
@@ -109,12 +114,16 @@ def _describe(x: Any) -> str:
 class OpJudge(TorchDispatchMode):
     """While active, judge every op on a `device_type` tensor; `failure` is the first that fails."""
 
-    def __init__(self, device_type: str, contract: Contract, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, device_type: str, contract: Contract, model: torch.nn.Module | None = None,
+                 per_signature: int | None = None) -> None:
         super().__init__()
         self.device_type = device_type
         self.contract = contract
         self.failure: OpFailure | None = None
         self.checked = 0
+        self.per_signature = per_signature
+        self.sampled_out = 0
+        self._seen: dict[tuple, int] = {}
         self.worst = 0.0
         self._names: dict[int, str] = {}
         if model is not None:
@@ -163,6 +172,14 @@ class OpJudge(TorchDispatchMode):
         leaves, _ = tree_flatten((args, kwargs))
         if not any(self._on_target(x) for x in leaves):
             return func(*args, **kwargs)
+        if self.per_signature is not None:
+            key = (func, *(_signature(x) for x in leaves))
+            seen = self._seen.get(key, 0)
+            if seen >= self.per_signature:
+                out = func(*args, **kwargs)
+                self.sampled_out += _has_float(out)  # what would have been judged
+                return out
+            self._seen[key] = seen + 1
         snap = tree_map(lambda x: _host(x) if self._on_target(x) else x, (args, kwargs))
         out = func(*args, **kwargs)
         self._judge(func, snap, out)
@@ -179,9 +196,9 @@ class OpJudge(TorchDispatchMode):
             return func(*args, **kwargs)
 
     def _judge(self, func, snap: Any, out: Any) -> None:
-        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        if not any(x.is_floating_point() for x in outs):
+        if not _has_float(out):
             return
+        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         prev = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")  # the replay is the reference: no TF32 on the host
         try:
@@ -213,6 +230,16 @@ class OpJudge(TorchDispatchMode):
                     output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
                 )
                 return
+
+
+def _has_float(out: Any) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in tree_flatten(out)[0])
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, tuple(x.shape), x.stride(), x.device.type)
+    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else type(x).__name__
 
 
 def _max_abs(t: torch.Tensor, e: torch.Tensor) -> float | None:

@@ -12,6 +12,7 @@ import copy
 import re
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,14 @@ from harness.models.outputs import output_tensors
 from harness.results.rows import Measurement
 from harness.run.compare import Tolerance, compare_outputs, identical
 from harness.run.localize import capture, first_drift
-from harness.run.memory import PeakRss
+from harness.run.memory import PhaseClock
 from harness.run.opcheck import OpJudge
+from harness.run.oracle import COPY_MAX_PARAMS, DEFAULT_MAX_PARAMS, fp64_outputs, n_params
 from harness.run.repro import describe, repro_preamble, write_repro
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
+OP_SAMPLE = 2  # calls judged per op signature when the op check samples
 
 
 @dataclass
@@ -97,122 +100,130 @@ def _forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.
     return {k: v.detach().cpu() for k, v in output_tensors(out).items()}
 
 
-def run_one(task: Task) -> Measurement:
-    """Run one model end to end; never raises for model problems."""
+def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
+    """Run one model end to end; never raises for model problems. `on_phase(name)` hears each phase
+    start (the worker tells the supervisor, whose time budget differs for loading)."""
     entry = ModelEntry(**task.entry) if isinstance(task.entry, dict) else task.entry
     tol = Tolerance(
         tol=entry.atol if entry.atol is not None else Tolerance.tol,
         atol=entry.atol,
         rtol=entry.rtol,
     )
-    timings: dict[str, Any] = {}
     t_start = time.perf_counter()
-    with PeakRss() as rss:
-        fields = _pipeline(entry, task, tol, timings)
+    with PhaseClock(on_phase) as clock:
+        fields = _pipeline(entry, task, tol, clock)
     return Measurement(
         model_id=entry.id,
         device=task.target,
-        **timings,
+        load_time_s=clock.seconds("load"),
+        ref_time_s=fields.pop("_ref_s", None),
+        expected_time_s=clock.seconds("expected"),
+        target_time_s=fields.pop("_target_s", None),
+        phases=clock.phases,
         **fields,
         wall_time_s=time.perf_counter() - t_start,
-        peak_rss_mb=round(rss.peak_mb, 1),
+        peak_rss_mb=round(clock.rss.peak_mb, 1),
     )
 
 
-def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, Any]) -> dict[str, Any]:
-    attn = task.settings.get("attn")
+def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) -> dict[str, Any]:
     device = task.target
     adapter = adapter_for(device)
-    t0 = time.perf_counter()
-    try:
-        loaded = load_model(entry, seed=task.seed, attn_implementation=attn)
-        model = loaded.model
-        inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
-    except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
-        return classify_exception(e, adapter, "load")
-    timings["load_time_s"] = time.perf_counter() - t0
+    with clock.phase("load"):
+        try:
+            loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
+                                dtype=task.settings.get("dtype"))
+            model = loaded.model
+            inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
+        except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
+            return classify_exception(e, adapter, "load")
+    out: dict[str, Any] = {}
 
-    t0 = time.perf_counter()
-    try:
-        ref = _forward(model, inputs)
-    except Exception as e:
-        return classify_exception(e, adapter, "reference")
-    timings["ref_time_s"] = time.perf_counter() - t0
-    try:
-        ref2 = _forward(model, inputs)
-    except Exception as e:
-        return classify_exception(e, adapter, "reference")
-    if not identical(ref, ref2):
-        return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"}
+    with clock.phase("reference"):
+        try:
+            t0 = time.perf_counter()
+            ref = _forward(model, inputs)
+            out["_ref_s"] = time.perf_counter() - t0
+            ref2 = _forward(model, inputs)
+        except Exception as e:
+            return classify_exception(e, adapter, "reference")
+        if not identical(ref, ref2):
+            return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"}
+        del ref2
 
-    oracle_model = None
-    try:
-        oracle_model = copy.deepcopy(model).double()
-        oracle = _forward(oracle_model, _to(inputs, "cpu", torch.float64))
-    except Exception:
-        oracle, oracle_model = None, None  # fp64 unsupported by this model: fall back to cosine/allclose
+    with clock.phase("oracle"):
+        oracle, out["oracle"], oracle_model = fp64_outputs(
+            model, inputs, _forward, max_params=int(task.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS))
+        )
 
     declared = contract(adapter.declared_precision(task.settings))
     expected = None
     if not declared.exact:
-        t0 = time.perf_counter()
-        try:
-            with Emulate(declared):
-                expected = _forward(model, inputs)
-        except Exception:
-            expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone
-        timings["expected_time_s"] = time.perf_counter() - t0
+        with clock.phase("expected"):
+            try:
+                with Emulate(declared):
+                    expected = _forward(model, inputs)
+            except Exception:
+                expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone
 
+    # A small model keeps its CPU copy for module-level localization; a real checkpoint moves to the
+    # device in place (one copy of the weights, held by the device).
+    keep_cpu = n_params(model) <= COPY_MAX_PARAMS and task.localize
     census = OpCensus()
-    judge = OpJudge(torch.device(device).type, declared) if task.settings.get("op_check", True) else None
-    try:
-        adapter.seed(task.seed)
-        target_inputs = _to(inputs, device)
-        with adapter.apply(task.settings), adapter.census() as census:
-            tmodel = copy.deepcopy(model).to(device)
-            if judge is not None:
-                judge.name_modules(tmodel)
-            _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
-            if judge is not None:
-                # Every kernel judged on its own inputs. After the plain run: a dispatch mode changes
-                # some paths (torch.compile'd code runs eagerly under one), and the verdict on errors
-                # belongs to the model's own path.
-                try:
-                    with judge:
-                        _forward(tmodel, target_inputs)
-                except Exception:
-                    judge = None
-            t0 = time.perf_counter()
-            tout = _forward(tmodel, target_inputs)
-            timings["target_time_s"] = time.perf_counter() - t0
-    except Exception as e:
-        return {**classify_exception(e, adapter), **_census_fields(census)}
+    judge = _judge(device, declared, task.settings.get("op_check", "auto"), n_params(model))
+    with clock.phase("target"):
+        try:
+            adapter.seed(task.seed)
+            target_inputs = _to(inputs, device)
+            with adapter.apply(task.settings), adapter.census() as census:
+                tmodel = copy.deepcopy(model).to(device) if keep_cpu else model.to(device)
+                if not keep_cpu:
+                    model = None
+                if judge is not None:
+                    judge.name_modules(tmodel)
+                _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
+                if judge is not None:
+                    # Every kernel judged on its own inputs. After the plain run: a dispatch mode changes
+                    # some paths (torch.compile'd code runs eagerly under one), and the verdict on errors
+                    # belongs to the model's own path.
+                    try:
+                        with judge:
+                            _forward(tmodel, target_inputs)
+                    except Exception:
+                        judge = None
+                t0 = time.perf_counter()
+                tout = _forward(tmodel, target_inputs)
+                out["_target_s"] = time.perf_counter() - t0
+        except Exception as e:
+            return {**out, **classify_exception(e, adapter), **_census_fields(census)}
 
-    verdict = compare_outputs(ref, tout, oracle, tol, expected)
-    result: dict[str, Any] = {
-        **_census_fields(census),
-        "metrics": {c.name: c.to_dict() for c in verdict.checks},
+    with clock.phase("compare"):
+        verdict = compare_outputs(ref, tout, oracle, tol, expected)
+    out.update(
+        _census_fields(census),
+        metrics={c.name: c.to_dict() for c in verdict.checks},
         **verdict.summary(),
-        "contract": declared.name,
-        "outcome": verdict.outcome,
-        "ops_checked": judge.checked if judge is not None else None,
-    }
+        contract=declared.name,
+        outcome=verdict.outcome,
+        ops_checked=judge.checked if judge is not None else None,
+        ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
+    )
     kernel = judge.failure if judge is not None else None
     if verdict.outcome != "drift" and kernel is None:
-        return result
-    result["outcome"] = "drift"
-    result["nonfinite"] = verdict.nonfinite
+        return out
+    out["outcome"] = "drift"
+    out["nonfinite"] = verdict.nonfinite
     worst = verdict.worst
     messages = []
     if kernel is not None:
-        result.update(describe(kernel))
+        out.update(describe(kernel))
         messages.append(
             f"kernel {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])}) is "
             f"beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
             + (f"; {kernel.note}" if kernel.note else "")
         )
         if task.repro_dir:
-            result["repro_path"] = str(_repro(kernel, declared, adapter, task, entry.id))
+            out["repro_path"] = str(_repro(kernel, declared, adapter, task, entry.id))
     if verdict.outcome == "drift" and worst is not None:
         messages.append(
             f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, declared ratio "
@@ -220,18 +231,28 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, timings: dict[str, 
         )
     elif verdict.outcome != "drift":
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
-    result["error_message"] = "; ".join(messages)
-    if task.localize:
-        try:
-            site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings,
-                             None if declared.exact else declared)
-        except Exception as e:  # localization is diagnostics: never lose the verdict over it
-            result["error_message"] += f"; localization failed: {type(e).__name__}: {e}"
-        else:
-            if site is not None:
-                result["first_drift_module"] = site.module
-                result["first_drift_module_type"] = site.module_type
-    return result
+    out["error_message"] = "; ".join(messages)
+    if task.localize and model is not None:
+        with clock.phase("localize"):
+            try:
+                site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings,
+                                 None if declared.exact else declared)
+            except Exception as e:  # localization is diagnostics: never lose the verdict over it
+                out["error_message"] += f"; localization failed: {type(e).__name__}: {e}"
+            else:
+                if site is not None:
+                    out["first_drift_module"] = site.module
+                    out["first_drift_module_type"] = site.module_type
+    return out
+
+
+def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
+    """The op check for this model: every call for small models (and `all`), the first calls of each
+    signature for real checkpoints (a 24-layer model repeats each kernel 24 times)."""
+    if mode == "off":
+        return None
+    sampled = mode == "sampled" or (mode == "auto" and params > COPY_MAX_PARAMS)
+    return OpJudge(torch.device(device).type, declared, per_signature=OP_SAMPLE if sampled else None)
 
 
 def _repro(kernel, declared, adapter, task: Task, model_id: str):

@@ -60,6 +60,8 @@ class Worker:
         self.ready = False
         self.job: Any = None  # the caller's handle for the job in flight
         self.started = 0.0
+        self.phase = ""  # the job's current phase, as the child reported it
+        self.phase_started = 0.0
         self.done = 0  # jobs finished by this worker
         self.killed_for: str | None = None
 
@@ -69,7 +71,8 @@ class Worker:
 
     def send(self, job: Any, payload: Any) -> None:
         self.job = job
-        self.started = time.monotonic()
+        self.started = self.phase_started = time.monotonic()
+        self.phase = ""
         self.conn.send(payload)
 
     def kill(self, reason: str) -> None:
@@ -116,6 +119,7 @@ class Pool:
         timeout_s: float,
         max_rss_mb: float | None = None,
         startup_timeout_s: float | None = None,
+        load_timeout_s: float | None = None,
     ) -> None:
         self.ctx = ctx
         self.target = target
@@ -123,6 +127,7 @@ class Pool:
         self.timeout_s = timeout_s
         self.max_rss_mb = max_rss_mb
         self.startup_timeout_s = startup_timeout_s
+        self.load_timeout_s = load_timeout_s
         self.workers: list[Worker] = []
 
     def spawn(self, key: str) -> Worker:
@@ -142,7 +147,7 @@ class Pool:
     def poll(self, max_wait: float = 1.0) -> list[Event]:
         """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
         now = time.monotonic()
-        deadlines = [w.started + self.timeout_s - now for w in self.workers if w.busy]
+        deadlines = [self._deadline(w) - now for w in self.workers if w.busy]
         handles: dict[Any, Worker] = {}
         for w in self.workers:
             handles[w.conn] = w
@@ -170,6 +175,10 @@ class Pool:
             if msg.get("type") == "ready":
                 w.ready = True
                 out.append(Event("ready", w, msg))
+            elif msg.get("type") == "phase":
+                if w.phase == "load" or not w.phase:
+                    w.phase_started = time.monotonic()  # the compute budget starts when loading ends
+                w.phase = msg["name"]
             elif msg.get("type") == "result":
                 out.append(Event("result", w, msg["result"]))
                 w.done += 1
@@ -178,11 +187,17 @@ class Pool:
             out.append(Event("died", w))
         return out
 
+    def _deadline(self, w: Worker) -> float:
+        """Loading has its own budget; the rest of the job has `timeout_s` from the end of loading."""
+        if self.load_timeout_s is not None and w.phase in ("", "load"):
+            return w.started + max(self.load_timeout_s, 0.0)
+        return w.phase_started + self.timeout_s
+
     def _deadlines(self) -> list[Event]:
         now = time.monotonic()
         events = []
         for w in list(self.workers):
-            if w.busy and now - w.started > self.timeout_s:
+            if w.busy and now > self._deadline(w):
                 w.kill("timeout")
                 events.append(Event("timeout", w))
             elif w.busy and self.max_rss_mb and rss_mb(w.proc.pid) > self.max_rss_mb:
@@ -214,10 +229,15 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def serve(conn: Any, handle: Callable[[Any], Any]) -> None:
-    """Child side: announce readiness, then answer each job with `handle(job)` until told to stop."""
+def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> None:
+    """Child side: announce readiness, then answer each job with `handle(job, phase)` until told to stop;
+    `phase(name)` tells the supervisor which phase the job is in (its time budget may differ)."""
     die_with_parent()
     conn.send({"type": "ready", "pid": os.getpid()})
+
+    def phase(name: str) -> None:
+        conn.send({"type": "phase", "name": name})
+
     while True:
         try:
             job = conn.recv()
@@ -225,4 +245,5 @@ def serve(conn: Any, handle: Callable[[Any], Any]) -> None:
             return
         if job is None:
             return
-        conn.send({"type": "result", "result": handle(job)})
+        conn.send({"type": "result", "result": handle(job, phase)})
+

@@ -9,6 +9,7 @@ finishes the remaining models and loses nothing.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -36,7 +37,8 @@ class RunConfig:
     target: str = "sim"
     settings: dict[str, Any] = field(default_factory=lambda: {"precision": "default", "ops": "young"})
     jobs: int = 1
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # per model, from the end of its loading
+    load_timeout_s: float = 900.0  # loading's own budget
     retries: int = 1  # extra attempts per model for suspicious failures
     spare: int = 0  # devices held back as hot spares
     quarantine_after: int = 2  # strikes before a device is quarantined
@@ -48,6 +50,7 @@ class RunConfig:
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
     progress: bool = True
+    fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
 
 
     def validate(self) -> None:
@@ -55,6 +58,7 @@ class RunConfig:
         checks = [
             (self.jobs >= 1, f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
+            (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),
             (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
             (self.spare >= 0, f"--spare {self.spare}: must be >= 0"),
             (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
@@ -130,13 +134,16 @@ def plan(config: RunConfig) -> policy.Fleet:
                         quarantine_after=config.quarantine_after, retries=config.retries)
 
 
-def _death(w: Worker, timeout_s: float) -> Measurement:
+def _death(w: Worker, cfg: RunConfig) -> Measurement:
     """The measurement of a job whose worker died or was killed under it."""
     code, sig = w.death()
     mid = w.job.id if w.job is not None else ""
     if w.killed_for == "timeout":
+        loading = w.phase in ("", "load")
+        why = (f"still loading after {cfg.load_timeout_s:.0f}s (--load-timeout)" if loading
+               else f"no result {cfg.timeout_s:.0f}s after loading (--timeout, in phase {w.phase})")
         return Measurement(model_id=mid, device=w.key, outcome="timeout", error_type="Timeout", signal=sig,
-                           error_message=f"no result after {timeout_s:.0f}s on {w.key}; worker killed")
+                           error_message=f"{why} on {w.key}; worker killed")
     if sig == signal.SIGKILL:
         return Measurement(model_id=mid, device=w.key, outcome="oom", error_type="WorkerKilled", signal=sig,
                            error_message=f"worker on {w.key} was SIGKILLed (likely the OOM killer)")
@@ -175,13 +182,18 @@ class _Run:
         self.with_fallback: Counter[str] = Counter()
         threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
         worker_env = adapter.worker_env(settings)
+        # One `check` forks its worker from this process, which has imported torch and transformers
+        # already (a forkserver would import them a second time); a run starts a forkserver, so that no
+        # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
+        fork_here = config.fork_workers and not worker_env
         self.pool = Pool(
-            context([*PRELOAD, "harness.run.worker"]),
+            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker"]),
             worker_main,
             # the forkserver's environment is from whenever it started; workers get today's
             lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
             timeout_s=config.timeout_s,
             startup_timeout_s=config.startup_timeout_s,
+            load_timeout_s=config.load_timeout_s,
         )
         self.startup_failures = 0
         self.pending = 0  # rows recorded as device_error: re-run on resume
@@ -307,7 +319,7 @@ class _Run:
                     "model to see the error"
                 )
         if w.busy:
-            self._settle(w, _death(w, self.cfg.timeout_s))
+            self._settle(w, _death(w, self.cfg))
         self._replace(w)
 
     def run(self) -> RunSummary:

@@ -9,6 +9,7 @@ how much address space it may add, so a runaway allocation fails here with Memor
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -26,13 +27,13 @@ def task_payload(task: Task) -> dict[str, Any]:
     return asdict(task)
 
 
-def run_task(payload: dict[str, Any], device: str) -> Measurement:
+def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] | None = None) -> Measurement:
     """One model on this worker's device; a harness bug becomes a crash row, never a dead worker."""
     task = Task(**payload)
     task.target = device
     model_id = task.entry["id"]
     try:
-        return run_one(task)
+        return run_one(task, phase)
     except MemoryError as e:
         return Measurement(model_id=model_id, device=device, **{**classify_exception(e), "outcome": "oom"})
     except BaseException as e:  # bug in the harness itself: report it as a crash row, keep serving
@@ -59,4 +60,4 @@ def worker_main(
     load_backends(backends, entry_points=True)
     adapter_for(device).load()
     cap_address_space(mem_cap_mb)
-    serve(conn, lambda payload: run_task(payload, device))
+    serve(conn, lambda payload, phase: run_task(payload, device, phase))

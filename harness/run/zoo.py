@@ -162,7 +162,7 @@ def _serve_candidates(conn: Any, check: Callable[[str, str], dict[str, Any]] | N
     torch.set_num_threads(1)
     check = check or check_candidate
 
-    def handle(item: tuple[str, str]) -> dict[str, Any]:
+    def handle(item: tuple[str, str], _phase: Callable[[str], None]) -> dict[str, Any]:
         mt, task = item
         try:
             return check(mt, task)

@@ -97,11 +97,21 @@ class _Rounded:
 
 # host storage data_ptr -> rounded copies; only ever holds parameters' storages.
 _cache: dict[int, _Rounded] = {}
+# The cache is an fp32 copy of every matmul weight: free for a tiny model, a second copy of a real
+# checkpoint. Past this many bytes weights are rounded afresh on each call (same bits, two more launches).
+CACHE_BYTES = int(float(os.environ.get("PORTHARNESS_SIM_ROUND_CACHE_MB", "512")) * 2**20)
+_cached_bytes = 0
+
+
+def _free(entry: _Rounded) -> None:
+    global _cached_bytes
+    _cached_bytes -= sum(v.nbytes for v in entry.views.values())
+    entry.views.clear()
 
 
 def _drop(ptr: int, entry: _Rounded) -> None:
     if _cache.get(ptr) is entry:
-        del _cache[ptr]
+        _free(_cache.pop(ptr))
 
 
 def forget(t: object) -> None:
@@ -112,12 +122,16 @@ def forget(t: object) -> None:
         for x in t:
             forget(x)
     elif type(t) is torch.Tensor:  # a fake/functional tensor (torch.compile tracing) has no data pointer
-        _cache.pop(t.untyped_storage().data_ptr(), None)
+        entry = _cache.pop(t.untyped_storage().data_ptr(), None)
+        if entry is not None:
+            _free(entry)
 
 
 def clear_cache() -> None:
     """Drop every cached rounded copy (frees their memory)."""
+    global _cached_bytes
     _cache.clear()
+    _cached_bytes = 0
 
 
 def _rounded_operand(wrapper: object, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +148,11 @@ def _rounded_operand(wrapper: object, x: torch.Tensor) -> torch.Tensor:
     key = (x.storage_offset(), x.shape, x.stride())
     r = entry.views.get(key)
     if r is None:
-        r = entry.views[key] = x.to(torch.bfloat16).to(torch.float32)
+        global _cached_bytes
+        r = x.to(torch.bfloat16).to(torch.float32)
+        if _cached_bytes + r.nbytes <= CACHE_BYTES:
+            entry.views[key] = r
+            _cached_bytes += r.nbytes
     return r
 
 
