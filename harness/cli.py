@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-db", default=None, help="DB of the head run (its latest run)")
     p.add_argument("--drift-factor", type=float, default=2.0, help="rmse-ratio growth counted as regression")
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
+    p.add_argument("--night", action="store_true",
+                   help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
 
@@ -156,7 +158,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate")
     p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
     p.set_defaults(func=cmd_zoo)
+    _nightly_parsers(sub)
     return ap
+
+
+def _nightly_parsers(sub: Any) -> None:
+    """`baseline`, `trend` and `groups`: what a nightly job gates on and keeps."""
+    p = sub.add_parser("baseline", help="expected outcomes per configuration: write them, check a run against them")
+    bsub = p.add_subparsers(dest="baseline_command", required=True)
+    p = bsub.add_parser("update", help="write the expected file(s) from a run")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", default=None, help="run id (default: the DB's run, or the one --out is named for)")
+    out = p.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out", default=None, help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
+    out.add_argument("--out-dir", default=None, help="write one conventionally named file per configuration in the DB")
+    p.set_defaults(func=cmd_baseline_update)
+    p = bsub.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", default=None, help="run id (default: the latest run of the file's configuration)")
+    exp = p.add_mutually_exclusive_group(required=True)
+    exp.add_argument("--expected", default=None, help="expected file")
+    exp.add_argument("--expected-dir", default=None, help="check every configuration in the DB against its file here")
+    p.add_argument("--flaky", default=None, help="flaky list: 'model-or-pattern  # reason' per line")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_baseline_check)
+
+    p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
+    tsub = p.add_subparsers(dest="trend_command", required=True)
+    p = tsub.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
+    p.add_argument("--db", required=True)
+    p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
+    p.add_argument("--date", default=None, help="the night's date (default: each run's start date)")
+    p.set_defaults(func=cmd_trend_append)
+    p = tsub.add_parser("show", help="print the trend per configuration")
+    p.add_argument("--history", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_trend_show)
+
+    p = sub.add_parser("groups", help="failures grouped by fingerprint (outcome, op or module type, error line)")
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--run", default=None, help="run id (default: latest)")
+    p.add_argument("--limit", type=int, default=30, help="groups to print")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_groups)
 
 
 # ---------------------------------------------------------------- check / run
@@ -290,7 +334,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from harness.analysis.diff import diff_runs, format_summary, load_allowlist, resolve_runs
 
     (base_id, base_df), (head_id, head_df) = resolve_runs(
-        db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db
+        db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
                     flaky_allowlist=load_allowlist(args.flaky_allowlist))
@@ -403,6 +447,105 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     for reason, n in counts["failed"].items():
         print(f"  failed {reason}: {n}")
     print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- nightly: baseline, trend, groups
+
+
+def cmd_baseline_update(args: argparse.Namespace) -> int:
+    from harness.analysis import baseline as bl
+
+    if args.out_dir is not None and not Path(args.out_dir).is_dir():
+        raise FileNotFoundError(f"--out-dir {args.out_dir} is not a directory")
+    if args.out is not None:
+        runs = [bl.pick_run(args.db, run_id=args.run, file_name=Path(args.out).name)]
+    elif args.run is not None:
+        runs = [bl.pick_run(args.db, run_id=args.run)]
+    else:
+        from harness.results.store import ResultStore
+
+        with ResultStore(args.db, create=False) as store:
+            runs = bl.night_runs(store)
+        if not runs:
+            raise ValueError(f"{args.db} contains no model results")
+    for run in runs:
+        cfg = run["config"]
+        dest = Path(args.out) if args.out is not None else Path(args.out_dir) / cfg.file_name
+        rows = bl.expected_rows(bl.load_run(args.db, run["run_id"]))
+        bl.write_expected(dest, cfg, rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.outcome] = counts.get(r.outcome, 0) + 1
+        print(f"wrote {dest}: {len(rows)} models from run {run['run_id']} "
+              f"({', '.join(f'{o} {n}' for o, n in sorted(counts.items()))})")
+    return 0
+
+
+def cmd_baseline_check(args: argparse.Namespace) -> int:
+    from harness.analysis import baseline as bl
+
+    flaky = bl.read_flaky(args.flaky) if args.flaky else {}
+    if args.expected is not None:
+        files = [bl.read_expected(args.expected)]
+        runs = [bl.pick_run(args.db, run_id=args.run, config=None if args.run else files[0].config)]
+    else:
+        from harness.results.store import ResultStore
+
+        if not Path(args.expected_dir).is_dir():
+            raise FileNotFoundError(f"--expected-dir {args.expected_dir} is not a directory")
+        if args.run is not None:
+            runs = [bl.pick_run(args.db, run_id=args.run)]
+        else:
+            with ResultStore(args.db, create=False) as store:
+                runs = bl.night_runs(store)
+            if not runs:
+                raise ValueError(f"{args.db} contains no model results")
+        files = [bl.read_expected(Path(args.expected_dir) / r["config"].file_name) for r in runs]
+    results = [bl.check(f, bl.load_run(args.db, r["run_id"]), run_config=r["config"], run_id=r["run_id"], flaky=flaky)
+               for f, r in zip(files, runs, strict=True)]
+    ok = all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [r.to_dict() for r in results]}, indent=1))
+    else:
+        print("\n\n".join(bl.format_check(r) for r in results))
+    return 0 if ok else 1
+
+
+def cmd_trend_append(args: argparse.Namespace) -> int:
+    from harness.analysis.trend import append_history, summarize_db
+
+    entries = summarize_db(args.db, date=args.date)
+    if not entries:
+        raise ValueError(f"{args.db} contains no model results")
+    n = append_history(args.history, entries)
+    for e in entries:
+        print(f"{e['date']} {e['config']}: ran {e['ran_pct']}%, matched {e['matched_pct']}% "
+              f"({e['total']} models, {len(e['groups'])} failure groups)")
+    print(f"history {args.history}: {n} line(s)")
+    return 0
+
+
+def cmd_trend_show(args: argparse.Namespace) -> int:
+    from harness.analysis.trend import format_history, read_history
+
+    if not Path(args.history).is_file():
+        raise FileNotFoundError(f"history file {args.history} does not exist")
+    entries = read_history(args.history)
+    print(json.dumps(entries, indent=1) if args.json else format_history(entries))
+    return 0
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    from harness.analysis.fingerprint import format_groups, group_failures
+    from harness.analysis.matrix import load_results, with_config
+
+    rid, df = load_results(args.db, args.run)
+    groups = group_failures(with_config(df))
+    if args.json:
+        print(json.dumps({"run_id": rid, "groups": [g.to_dict() for g in groups]}, indent=1))
+    else:
+        print(f"run {rid}: " + format_groups(groups, limit=args.limit))
     return 0
 
 

@@ -55,6 +55,13 @@ def with_config(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def column_records(df: pd.DataFrame, columns: tuple[str, ...] | list[str]) -> list[dict[str, Any]]:
+    """Rows of ``df`` as dicts holding only ``columns`` (those it has). A night's frame carries metrics,
+    attempts and tracebacks; ``to_dict("records")`` on all of it is the slow part of most readers."""
+    cols = [c for c in columns if c in df.columns]
+    return [dict(zip(cols, values, strict=True)) for values in zip(*(df[c] for c in cols), strict=True)]
+
+
 def latest_per_key(df: pd.DataFrame) -> pd.DataFrame:
     """Keep one row per (model, config): the most recent run's, so several runs can be passed in."""
     df = with_config(df)
