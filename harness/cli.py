@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="only the first N models (after sharding)")
     p.add_argument("--only", default="", help="comma-separated model ids or architectures to run")
     p.add_argument("--retries", type=int, default=1, help="retries for crashes/timeouts/device errors")
+    p.add_argument("--rerun-flaky", type=int, default=0, metavar="N",
+                   help="re-run each model whose attempts disagreed N more times; flaky only if it really flips")
     p.add_argument("--spare", type=int, default=0, help="devices kept idle as hot spares")
     p.add_argument("--quarantine-after", type=int, default=2, help="device strikes before quarantine")
     p.add_argument("--report", default=None, help="build the HTML report into this directory afterwards")
@@ -269,7 +271,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
     config = _run_config(args, jobs=args.jobs, retries=args.retries, spare=args.spare,
-                         quarantine_after=args.quarantine_after, progress=not args.quiet)
+                         quarantine_after=args.quarantine_after, progress=not args.quiet,
+                         rerun_flaky=args.rerun_flaky)
     plan(config)  # devices, spares, ranges: before a line is printed or a file touched
     if os.path.exists(args.db):
         usable(Path(args.db))  # ours and undamaged, checked without writing
@@ -290,6 +293,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(outcome_table(summary.counts, done))
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())))
+    if summary.reruns:
+        print(f"  re-ran {summary.reruns.get('models', 0)} model(s) whose attempts disagreed, {args.rerun_flaky}x each: "
+              f"flaky {summary.reruns.get('flaky', 0)}, stable {summary.reruns.get('stable', 0)}")
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))

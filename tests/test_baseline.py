@@ -4,8 +4,10 @@ flaky by a probabilistic sim fault and labelled by --rerun-flaky)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -245,8 +247,24 @@ def _profile(path: Path, without: str = "") -> Path:
 
 @pytest.fixture(scope="module")
 def two_nights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path | str]:
-    """One DB, two runs of one configuration (the same profile file path): with and without aten::gelu."""
-    tmp = tmp_path_factory.mktemp("baseline-real")
+    """One DB, two runs of one configuration (the same profile file path): with and without aten::gelu.
+
+    Built once per session even under xdist (workers share the session's temp root), like the browser
+    test's report."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(root / "baseline-real.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "baseline-real" / "done.json"
+        if not done.exists():
+            (root / "baseline-real").mkdir(exist_ok=True)
+            done.write_text(json.dumps({k: str(v) for k, v in _two_nights(root / "baseline-real").items()}))
+    built = json.loads(done.read_text())
+    return {**built, "db": Path(built["db"]), "list": Path(built["list"]), "profile": Path(built["profile"]),
+            "dir": Path(built["dir"])}
+
+
+def _two_nights(tmp: Path) -> dict[str, Path | str]:
     lst = tmp / "pair.csv"
     lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("gpt2", "base")]))
     prof, db = tmp / "profile.txt", tmp / "nights.db"
@@ -285,3 +303,38 @@ def test_real_round_trip_planted_regression_and_fix(two_nights: dict) -> None:
     assert check["models"][0]["note"] == "fixed"
     assert cli("baseline", "update", "--db", db, "--run", two_nights["good"], "--out", str(exp)).returncode == 0
     assert cli("baseline", "check", "--db", db, "--expected", str(exp), "--run", two_nights["good"]).returncode == 0
+
+
+def test_real_flaky_rerun_with_a_probabilistic_sim_fault(two_nights: dict, tmp_path: Path) -> None:
+    """NaN faults with a small per-launch probability on both devices: gpt2's outputs turn non-finite in
+    about half its forwards, so its attempts disagree; --rerun-flaky samples it 6 more times and the
+    samples really flip, so it is labelled flaky and the baseline check does not gate on it."""
+    db = tmp_path / "flaky.db"
+    shutil.copy(two_nights["db"], db)  # the same configuration (same profile path) as the baseline's runs
+    exp = tmp_path / "expected.csv"
+    assert cli("baseline", "update", "--db", str(db), "--run", two_nights["good"], "--out", str(exp)).returncode == 0
+    run = cli("run", "--list", str(two_nights["list"]), "--db", str(db), "--precision", "highest", "--ops",
+              str(two_nights["profile"]), "--jobs", "1", "--retries", "3", "--quarantine-after", "100",
+              "--rerun-flaky", "6", "--no-localize", "--quiet",
+              env={"PORTHARNESS_SIM_FAULTS": "sim:0=nan:0.004@seed=0;sim:1=nan:0.004@seed=0"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    with ResultStore(db, create=False) as st:
+        rows = {r["model_id"]: r for r in st.results(st.latest_run()).to_dict("records")}
+    flaky = [r for r in rows.values() if r["outcome"] == "flaky"]
+    assert flaky, ("no model was labelled flaky: the seeded fault pattern no longer makes gpt2's attempts "
+                   f"disagree; try another @seed. Rows: {[(m, r['outcome'], r['attempts']) for m, r in rows.items()]}")
+    assert "re-ran" in run.stdout and f"flaky {len(flaky)}" in run.stdout
+    for r in flaky:
+        reruns = [a for a in r["attempts"] if a.get("rerun")]
+        first = [a for a in r["attempts"] if not a.get("rerun")]
+        assert len({a["outcome"] for a in first}) > 1  # its attempts disagreed, so it was sampled
+        assert len(reruns) >= 6 and {a["outcome"] for a in reruns} & set(MATCHED)  # all attempts kept
+        outcomes = {a["outcome"] for a in [first[-1], *reruns]}
+        assert outcomes & set(MATCHED) and outcomes - set(MATCHED)  # it really flips
+    check = cli("baseline", "check", "--db", str(db), "--expected", str(exp), "--json")
+    (res,) = json.loads(check.stdout)["checks"]
+    statuses = {v["model"]: v for v in res["models"]}
+    for r in flaky:
+        assert statuses[r["model_id"]]["status"] == "flaky"
+        assert statuses[r["model_id"]]["note"] == "its outcome flipped between attempts"
+    assert check.returncode == (1 if res["counts"]["new_failure"] else 0)
