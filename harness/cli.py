@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="base run for the diff page")
     p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (scripts/opinfo_table.py)")
+    p.add_argument("--history", default=None, help="nightly history file (portharness trend append): adds the trend page")
+    p.add_argument("--night", action="store_true",
+                   help="show the latest run of every configuration in the DB (a merged nightly DB with several settings)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("merge", help="merge shard DBs into one")
@@ -355,7 +358,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
-                         opinfo_csv=args.opinfo)
+                         opinfo_csv=args.opinfo, history=args.history, night=args.night)
     print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
           f"(open it from disk: file://{index.resolve()})")
     return 0

@@ -18,8 +18,11 @@ import jinja2
 import pandas as pd
 
 from harness import __version__
+from harness.analysis.baseline import night_runs
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
+from harness.analysis.fingerprint import group_failures
 from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
+from harness.analysis.trend import read_history
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.views import (
     collective_faults_view,
@@ -27,6 +30,7 @@ from harness.report.views import (
     diff_view,
     drift_view,
     fmt,
+    groups_view,
     history_view,
     matrix_data,
     records,
@@ -34,6 +38,7 @@ from harness.report.views import (
     run_view,
     safe_name,
     summary_view,
+    trend_view,
 )
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
@@ -75,10 +80,20 @@ class _RunData:
 
 
 def _load(
-    db_path: str | os.PathLike, run_id: str | None, base_run: str | None, base_db: str | os.PathLike | None
+    db_path: str | os.PathLike,
+    run_id: str | None,
+    base_run: str | None,
+    base_db: str | os.PathLike | None,
+    night: bool = False,
 ) -> _RunData:
-    """Read the run (default: the latest with results) and everything around it from the store."""
+    """Read the run (default: the latest with results) and everything around it from the store.
+
+    With ``night`` (and no ``run_id``) the latest run of every configuration is read, so a merged
+    nightly DB with several settings is one site: a matrix column per setting, a row per setting on
+    each model page; the header names the first configuration's run."""
     with ResultStore(db_path, read_only=True) as store:
+        if night and run_id is None and len(nights := night_runs(store)) > 1:
+            return _load_night(store, [r["run_id"] for r in nights], base_db)
         rid = run_id or store.latest_run(has_results=True) or store.latest_run()
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
@@ -111,6 +126,36 @@ def _latest_faults(store: ResultStore, run_id: str) -> pd.DataFrame:
     every = every.assign(_own=every.run_id == run_id).sort_values(["_own", "finished_at"], kind="stable")
     key = ["target", "backend", "world_size", "setting", "scenario"]
     return every.drop_duplicates(key, keep="last").drop(columns="_own")
+
+
+def _load_night(store: ResultStore, rids: list[str], base_db: str | os.PathLike | None) -> _RunData:
+    """`_load` for several runs (one per configuration); the diff base is each configuration's
+    previous run in this DB, or every configuration's latest run in ``base_db``."""
+    df = with_config(pd.concat([store.results(r) for r in rids], ignore_index=True))
+    runs = store.runs()
+    if base_db is not None:
+        with ResultStore(base_db, read_only=True) as bs:
+            base_ids = [r["run_id"] for r in night_runs(bs)]
+            base_df = pd.concat([bs.results(r) for r in base_ids], ignore_index=True) if base_ids else None
+            where = str(base_db)
+    else:
+        base_ids = [b for b in (previous_comparable(store, r) for r in rids) if b is not None]
+        base_df = pd.concat([store.results(b) for b in base_ids], ignore_index=True) if base_ids else None
+        where = "this DB"
+    coll_run = store.latest_run(has_collectives=True)
+    faults = _latest_faults(store, rids[0])
+    return _RunData(
+        run_id=rids[0],
+        df=df,
+        runs=runs,
+        run=runs[runs.run_id == rids[0]].iloc[0].to_dict(),
+        hist=store.history(),
+        coll=store.collectives(coll_run) if coll_run else store.collectives(rids[0]),
+        coll_run=coll_run,
+        faults=faults,
+        faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
+        base=("+".join(base_ids), base_df, where) if base_df is not None else None,
+    )
 
 
 def _resolve_base(
@@ -204,19 +249,25 @@ class _Site:
         dest.write_text(page, encoding="utf-8")
 
 
-def _common(data: _RunData, db_path: str | os.PathLike, *, has_diff: bool) -> dict[str, Any]:
+def _common(
+    data: _RunData, db_path: str | os.PathLike, *, has_diff: bool, has_trend: bool = False
+) -> dict[str, Any]:
     faults = [(FAULTS_PAGE, "Collective faults")] if not data.faults.empty else []
     return {
         **run_view(data.run),
-        "nav": list(NAV) + faults + ([("diff.html", "Diff")] if has_diff else []),
+        "nav": list(NAV) + faults + ([("diff.html", "Diff")] if has_diff else [])
+        + ([("trend.html", "Trend")] if has_trend else []),
         "generated_at": utc_now(),
         "harness_version": __version__,
         "db_name": Path(db_path).name,
     }
 
 
-def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResult | None) -> None:
-    site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res))
+def _render_index(
+    site: _Site, data: _RunData, configs: list[str], res: DiffResult | None, hrefs: dict[str, str]
+) -> None:
+    site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res),
+                groups=groups_view(group_failures(data.df), hrefs))
 
 
 def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
@@ -303,24 +354,31 @@ def build_report(
     base_run: str | None = None,
     base_db: str | os.PathLike | None = None,
     opinfo_csv: str | os.PathLike | None = None,
+    history: str | os.PathLike | None = None,
+    night: bool = False,
 ) -> Path:
     """Render the static site for ``run_id`` (default latest) into ``out_dir``; returns index.html.
 
     The diff page compares with ``base_run`` (same DB), the latest run of ``base_db``, or by default
-    the previous comparable run in the DB when there is one.
+    the previous comparable run in the DB when there is one. With ``history`` (a nightly history
+    file, `harness.analysis.trend`) the site gets a trend page. With ``night`` the site shows the latest
+    run of every configuration in the DB (a merged nightly DB holding several settings).
     """
     out = Path(out_dir)
     env = _env()
-    data = _load(db_path, run_id, base_run, base_db)
+    data = _load(db_path, run_id, base_run, base_db, night)
+    if history is not None and not Path(history).is_file():
+        raise FileNotFoundError(f"history file {history} does not exist")
+    entries = read_history(history) if history is not None else None  # read (and checked) before writing
     _prepare_out(out)
     df, base = data.df, data.base
     res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
-    site = _Site(env, out, _common(data, db_path, has_diff=res is not None))
+    site = _Site(env, out, _common(data, db_path, has_diff=res is not None, has_trend=entries is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
     models = sorted(df["model_id"].unique()) if not df.empty else []
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
 
-    _render_index(site, data, configs, res)
+    _render_index(site, data, configs, res, hrefs)
     _render_matrix(site, df, configs, hrefs)
     _render_ops(site, df, opinfo_csv, hrefs)
     site.render("drift.html", "drift.html", **drift_view(df, hrefs))
@@ -328,5 +386,7 @@ def build_report(
     _render_collective_faults(site, data)
     if res is not None and base is not None:
         site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
+    if entries is not None:
+        site.render("trend.html", "trend.html", **trend_view(entries))
     _render_models(site, df, data.hist, hrefs)
     return out / "index.html"
