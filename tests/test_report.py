@@ -360,3 +360,30 @@ def test_night_report_shows_every_configuration(tmp_path: Path) -> None:
     data = json.loads(re.search(r'id="matrix-data">(.*?)</script>', (out / "matrix.html").read_text(), re.S).group(1))
     assert data["configs"] == ["sim ops=full precision=highest"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".models")) == []
+
+
+def test_model_pages_written_by_forked_workers_match_a_serial_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_synthetic_db
+) -> None:
+    import harness.report.build as build
+
+    assert build._page_workers(10) == 1  # a small site: no fork
+    db = tmp_path / "p.db"
+    write_synthetic_db(db, 30, runs=2, collectives=False)
+    monkeypatch.setattr(build, "_page_workers", lambda n: 1)
+    build_report(db, tmp_path / "serial")
+    monkeypatch.setattr(build, "_page_workers", lambda n: 3)
+    build_report(db, tmp_path / "forked")
+
+    def pages(site: Path) -> dict[str, str]:  # the footer's build time differs, nothing else may
+        return {p.name: re.sub(r"generated \S+", "", p.read_text()) for p in (site / "models").glob("*.html")}
+
+    serial, forked = pages(tmp_path / "serial"), pages(tmp_path / "forked")
+    assert len(serial) == 30 and serial == forked
+
+    def broken(r):  # a page that cannot be rendered, in whichever process gets it
+        raise ValueError(f"cannot render {r['model_id']}")
+
+    monkeypatch.setattr(build, "row_view", broken)
+    with pytest.raises((RuntimeError, ValueError)):
+        build_report(db, tmp_path / "forked")

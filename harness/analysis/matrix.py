@@ -242,7 +242,8 @@ def op_support(df: pd.DataFrame) -> pd.DataFrame:
     fell: dict[str, set[str]] = {}
     calls: dict[str, int] = {}
     blocked: dict[str, set[str]] = {}
-    for rec in df.to_dict("records") if not df.empty else []:
+    cols = ("model_id", "native_ops", "fallback_ops", "outcome", "unsupported_op")
+    for rec in column_records(df, cols) if not df.empty else []:
         model = rec["model_id"]
         for op in rec.get("native_ops") or []:
             native.setdefault(op, set()).add(model)
