@@ -194,6 +194,7 @@ def _nightly_parsers(sub: Any) -> None:
     p.add_argument("--db", required=True)
     p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
     p.add_argument("--date", default=None, help="the night's date (default: each run's start date)")
+    p.add_argument("--summary", default=None, help="also write the night's headline as a Markdown table here")
     p.set_defaults(func=cmd_trend_append)
     p = tsub.add_parser("show", help="print the trend per configuration")
     p.add_argument("--history", required=True)
@@ -522,12 +523,14 @@ def cmd_baseline_check(args: argparse.Namespace) -> int:
 
 
 def cmd_trend_append(args: argparse.Namespace) -> int:
-    from harness.analysis.trend import append_history, summarize_db
+    from harness.analysis.trend import append_history, format_markdown, summarize_db
 
     entries = summarize_db(args.db, date=args.date)
     if not entries:
         raise ValueError(f"{args.db} contains no model results")
     n = append_history(args.history, entries)
+    if args.summary:
+        Path(args.summary).write_text(format_markdown(entries), encoding="utf-8")
     for e in entries:
         print(f"{e['date']} {e['config']}: ran {e['ran_pct']}%, matched {e['matched_pct']}% "
               f"({e['total']} models, {len(e['groups'])} failure groups)")

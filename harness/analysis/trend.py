@@ -156,3 +156,17 @@ def format_history(entries: list[dict[str, Any]]) -> str:
 
 def _fmt(v: Any) -> str:
     return "   -  " if v is None else f"{v:5.1f}%"
+
+
+def format_markdown(entries: list[dict[str, Any]]) -> str:
+    """A night's headline as a Markdown table (a CI job summary leads with it): ran % and numerics
+    matched % per configuration, then pass % and the size of the night."""
+    lines = ["| configuration | ran % | matched % | pass % | models | failure groups |", "|---|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        lines.append(f"| `{e['config']}` | {_md(e.get('ran_pct'))} | {_md(e.get('matched_pct'))} | "
+                     f"{_md(e.get('pass_pct'))} | {e.get('total', 0)} | {len(e.get('groups') or [])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _md(v: Any) -> str:
+    return "-" if v is None else f"**{v:.1f}**"
