@@ -465,55 +465,26 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:
     from harness.analysis import baseline as bl
+    from harness.analysis import nights
 
     if args.out_dir is not None and not Path(args.out_dir).is_dir():
         raise FileNotFoundError(f"--out-dir {args.out_dir} is not a directory")
-    if args.out is not None:
-        runs = [bl.pick_run(args.db, run_id=args.run, file_name=Path(args.out).name)]
-    elif args.run is not None:
-        runs = [bl.pick_run(args.db, run_id=args.run)]
-    else:
-        from harness.results.store import ResultStore
-
-        with ResultStore(args.db, create=False) as store:
-            runs = bl.night_runs(store)
-        if not runs:
-            raise ValueError(f"{args.db} contains no model results")
-    for run in runs:
-        cfg = run["config"]
-        dest = Path(args.out) if args.out is not None else Path(args.out_dir) / cfg.file_name
-        rows = bl.expected_rows(bl.load_run(args.db, run["run_id"]))
-        bl.write_expected(dest, cfg, rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.outcome] = counts.get(r.outcome, 0) + 1
-        print(f"wrote {dest}: {len(rows)} models from run {run['run_id']} "
-              f"({', '.join(f'{o} {n}' for o, n in sorted(counts.items()))})")
+    for run in nights.runs_to_update(args.db, run_id=args.run, out=args.out):
+        dest = Path(args.out) if args.out is not None else Path(args.out_dir) / run["config"].file_name
+        rows = bl.expected_rows(nights.load_run(args.db, run["run_id"]))
+        bl.write_expected(dest, run["config"], rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
+        print(f"wrote {dest}: {len(rows)} models from run {run['run_id']} ({bl.count_line(rows)})")
     return 0
 
 
 def cmd_baseline_check(args: argparse.Namespace) -> int:
     from harness.analysis import baseline as bl
+    from harness.analysis import nights
 
     flaky = bl.read_flaky(args.flaky) if args.flaky else {}
-    if args.expected is not None:
-        files = [bl.read_expected(args.expected)]
-        runs = [bl.pick_run(args.db, run_id=args.run, config=None if args.run else files[0].config)]
-    else:
-        from harness.results.store import ResultStore
-
-        if not Path(args.expected_dir).is_dir():
-            raise FileNotFoundError(f"--expected-dir {args.expected_dir} is not a directory")
-        if args.run is not None:
-            runs = [bl.pick_run(args.db, run_id=args.run)]
-        else:
-            with ResultStore(args.db, create=False) as store:
-                runs = bl.night_runs(store)
-            if not runs:
-                raise ValueError(f"{args.db} contains no model results")
-        files = [bl.read_expected(Path(args.expected_dir) / r["config"].file_name) for r in runs]
-    results = [bl.check(f, bl.load_run(args.db, r["run_id"]), run_config=r["config"], run_id=r["run_id"], flaky=flaky)
-               for f, r in zip(files, runs, strict=True)]
+    pairs = nights.runs_to_check(args.db, run_id=args.run, expected=args.expected, expected_dir=args.expected_dir)
+    results = [bl.check(exp, nights.load_run(args.db, run["run_id"]), run_config=run["config"], run_id=run["run_id"],
+                        flaky=flaky) for exp, run in pairs]
     ok = all(r.ok for r in results)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [r.to_dict() for r in results]}, indent=1))

@@ -13,7 +13,7 @@ file is bad input), then ``model,outcome,detail`` sorted by model. ``detail`` is
 (``unsupported_op``) or the first drifting module's type (``drift``): it is compared but does not gate.
 
 Each model is classified as one of :data:`STATUSES`; ``new_failure`` and ``unexpected_pass`` gate.
-Pure functions and dataclasses, except :func:`night_runs` / :func:`load_run`, which read a store.
+Pure functions and dataclasses; which runs of a DB are checked is `harness.analysis.nights`' job.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from harness.analysis.fingerprint import FailureGroup, group_rows
 from harness.analysis.matrix import column_records
 from harness.outcomes import DEVICE_SIDE, MATCHED, NOT_THE_MODELS, severity
 from harness.results.codec import canonical_json
-from harness.results.dbfile import StoreError
-from harness.results.store import ResultStore
 
 EXPECTED_DIR = Path(__file__).resolve().parents[2] / "model_lists" / "expected"
 COLUMNS = ("model", "outcome", "detail")
@@ -396,6 +394,14 @@ def check(
     return res
 
 
+def count_line(rows: list[Expected]) -> str:
+    """``drift 3, pass 5`` for the rows of an expected file."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    return ", ".join(f"{o} {n}" for o, n in sorted(counts.items()))
+
+
 def verdict_line(res: CheckResult) -> str:
     """One line for a job summary: OK / FAIL with the gating counts."""
     c = res.counts
@@ -432,54 +438,3 @@ def format_check(res: CheckResult, *, limit: int = 50) -> str:
             lines.append(f"  ... and {len(items) - limit} more")
     lines.append("\nRESULT: " + verdict_line(res))
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
-# Runs in a store
-# ----------------------------------------------------------------------------------------------
-
-
-def night_runs(store: ResultStore) -> list[dict[str, Any]]:
-    """The latest run with results per configuration (a merged nightly DB: one per setting), oldest
-    configuration first; each row of ``store.runs()`` gains its ``config``."""
-    runs = store.runs()
-    out: dict[Config, dict[str, Any]] = {}
-    for run in runs[runs.n_results > 0].to_dict("records"):  # newest first: keep the first seen
-        cfg = Config(list_key(run["list_name"]), str(run["target"]), str(run["settings_json"]))
-        out.setdefault(cfg, {**run, "config": cfg})
-    return sorted(out.values(), key=lambda r: (r["started_at"], r["run_id"]))
-
-
-def pick_run(db: str | os.PathLike, *, run_id: str | None = None, config: Config | None = None,
-             file_name: str | None = None) -> dict[str, Any]:
-    """The run to check or write: ``run_id``, else the latest run of ``config``, else the only
-    configuration in the DB, else the one whose conventional file name is ``file_name``."""
-    with ResultStore(db, create=False) as store:
-        if run_id is not None:
-            if not store.has_run(run_id):
-                store.results(run_id)  # raises StoreError naming recent runs
-            runs = store.runs()
-            run = runs[runs.run_id == run_id].iloc[0].to_dict()
-            return {**run, "config": Config(list_key(run["list_name"]), str(run["target"]), str(run["settings_json"]))}
-        nights = night_runs(store)
-    if not nights:
-        raise StoreError(f"{db} contains no model results")
-    if config is not None:
-        match = [r for r in nights if r["config"] == config]
-        if not match:
-            have = "; ".join(r["config"].describe() for r in nights)
-            raise ValueError(f"{db} has no run of {config.describe()} (it has: {have})")
-        return match[-1]
-    if len(nights) == 1:
-        return nights[0]
-    named = [r for r in nights if file_name is not None and r["config"].file_name == file_name]
-    if len(named) == 1:
-        return named[0]
-    names = ", ".join(r["config"].file_name for r in nights)
-    raise ValueError(f"{db} holds runs of {len(nights)} configurations; pass --run, or --out/--expected-dir "
-                     f"with the conventional names ({names})")
-
-
-def load_run(db: str | os.PathLike, run_id: str) -> pd.DataFrame:
-    with ResultStore(db, create=False) as store:
-        return store.results(run_id)

@@ -326,7 +326,7 @@ def _identity(store: ResultStore, run_id: str) -> tuple[str, str, str]:
 
 def _night(path: str | os.PathLike) -> tuple[str, pd.DataFrame]:
     """("run1+run2", their results): the latest run of each configuration in the DB at ``path``."""
-    from harness.analysis.baseline import night_runs  # baseline imports this module's neighbours
+    from harness.analysis.nights import night_runs  # nights -> baseline -> fingerprint: imported when needed
 
     with ResultStore(path, read_only=True) as st:
         ids = [r["run_id"] for r in night_runs(st)]

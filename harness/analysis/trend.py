@@ -22,9 +22,10 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analysis.baseline import list_key, night_runs
+from harness.analysis.baseline import list_key
 from harness.analysis.fingerprint import group_failures
 from harness.analysis.matrix import outcome_counts, settings_label
+from harness.analysis.nights import night_runs
 from harness.outcomes import headline
 from harness.results.store import ResultStore
 

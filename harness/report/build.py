@@ -20,10 +20,10 @@ import jinja2
 import pandas as pd
 
 from harness import __version__
-from harness.analysis.baseline import night_runs
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
 from harness.analysis.fingerprint import group_failures
 from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
+from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.views import (
