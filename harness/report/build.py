@@ -361,21 +361,29 @@ def _page_workers(n_pages: int) -> int:
     return max(1, min(4, cpus, n_pages // PAGES_PER_WORKER))
 
 
-def _in_parallel(items: list[Any], work: Callable[[list[Any]], None], procs: int) -> None:
-    """``work`` over ``procs`` interleaved slices of ``items``, all but one in forked children.
+def _in_parallel(
+    items: list[Any], work: Callable[[list[Any]], None], procs: int, also: Callable[[], None] | None = None
+) -> None:
+    """``work`` over ``procs`` slices of ``items``, all but one in forked children, and ``also()`` in this
+    process meanwhile, before its own slice, which is half a child's (the site's other pages cost
+    about a third of the model pages).
 
     Model pages are independent and everything they need is already in memory, so forking shares it
     copy-on-write: nothing is pickled. A child that fails prints its traceback and fails the build."""
     if procs <= 1:
+        if also is not None:
+            also()
         work(items)
         return
+    own = len(items) // (2 * procs - 1)
+    rest = items[own:]
     pids = []
-    for k in range(1, procs):
+    for k in range(procs - 1):
         pid = os.fork()
         if pid == 0:  # the child: never return into the caller's stack
             code = 0
             try:
-                work(items[k::procs])
+                work(rest[k::procs - 1])
             except BaseException:
                 traceback.print_exc()
                 code = 1
@@ -383,14 +391,18 @@ def _in_parallel(items: list[Any], work: Callable[[list[Any]], None], procs: int
                 os._exit(code)
         pids.append(pid)
     try:
-        work(items[0::procs])
+        if also is not None:
+            also()
+        work(items[:own])
     finally:
         statuses = [os.waitpid(pid, 0)[1] for pid in pids]
     if any(statuses):
         raise RuntimeError("a model-page worker process failed (its traceback is above)")
 
 
-def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str]) -> None:
+def _render_models(
+    site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str], also: Callable[[], None] | None = None
+) -> None:
     """One page per model. A night has thousands, so this is the report's hot loop: the template is
     looked up once and the shared context built once (``_Site.render`` per page did both each time)."""
     history = history_view(hist)
@@ -420,7 +432,7 @@ def _render_models(site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dic
                 f.write(page)
 
     items = list(by_model.items())
-    _in_parallel(items, write, _page_workers(len(items)))
+    _in_parallel(items, write, _page_workers(len(items)), also)
     models, old = site.out / "models", site.out / f".models-old-{os.getpid()}"
     if models.exists():
         models.rename(old)
@@ -454,21 +466,24 @@ def build_report(
     entries = read_history(history) if history is not None else None  # read (and checked) before writing
     _prepare_out(out)
     df, base = data.df, data.base
-    res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
-    site = _Site(env, out, _common(data, db_path, has_diff=res is not None, has_trend=entries is not None))
+    site = _Site(env, out, _common(data, db_path, has_diff=base is not None, has_trend=entries is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
     models = sorted(df["model_id"].unique()) if not df.empty else []
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
 
-    _render_index(site, data, configs, res, hrefs)
-    _render_matrix(site, df, configs, hrefs)
-    _render_ops(site, df, opinfo_csv, hrefs)
-    site.render("drift.html", "drift.html", **drift_view(df, hrefs))
-    _render_collectives(site, data)
-    _render_collective_faults(site, data)
-    if res is not None and base is not None:
-        site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
-    if entries is not None:
-        site.render("trend.html", "trend.html", **trend_view(entries))
-    _render_models(site, df, data.hist, hrefs)
+    def site_pages() -> None:
+        res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
+        _render_index(site, data, configs, res, hrefs)
+        _render_matrix(site, df, configs, hrefs)
+        _render_ops(site, df, opinfo_csv, hrefs)
+        site.render("drift.html", "drift.html", **drift_view(df, hrefs))
+        _render_collectives(site, data)
+        _render_collective_faults(site, data)
+        if res is not None and base is not None:
+            site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
+        if entries is not None:
+            site.render("trend.html", "trend.html", **trend_view(entries))
+
+    # The site's own pages are rendered while forked workers write model pages (when there are many).
+    _render_models(site, df, data.hist, hrefs, also=site_pages)
     return out / "index.html"
