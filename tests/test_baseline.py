@@ -95,6 +95,9 @@ def test_flaky_entries_need_a_reason(tmp_path: Path) -> None:
         ("drift", "unsupported_op", None, "new_failure"),  # a worse failure
         ("timeout", "oom", None, "new_failure"),  # a different failure of the same severity
         ("drift", "pass", None, "unexpected_pass"),
+        ("pass", "pass_declared", None, "pass"),  # matched either way (same severity): a note, not a failure
+        ("pass_declared", "pass", None, "pass"),
+        ("drift", "pass_declared", None, "unexpected_pass"),
         ("unsupported_op", "drift", None, "unexpected_pass"),  # improved: the file must say so
         ("pass", "flaky", None, "flaky"),
         ("drift", "flaky", None, "flaky"),

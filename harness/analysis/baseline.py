@@ -304,7 +304,7 @@ class CheckResult:
             "target": self.config.target,
             "settings": self.config.settings,
             "counts": self.counts,
-            "models": [asdict(v) for v in self.verdicts if v.status != "pass"],
+            "models": [asdict(v) for v in self.verdicts if v.status != "pass" or v.note],
             "new_failure_groups": [g.to_dict() for g in self.new_failure_groups],
         }
 
@@ -328,7 +328,8 @@ def classify(expected: Expected | None, actual: str | None, *, flaky_reason: str
     * otherwise on the flaky list, or labelled ``flaky`` tonight -> ``flaky``;
     * no target verdict tonight (load/reference/device failure) -> ``missing``;
     * a failure where the file said the model could not be tested -> ``new_failure``;
-    * better (lower severity) than expected -> ``unexpected_pass``; worse or a different failure
+    * better (lower severity) than expected -> ``unexpected_pass``; another matched outcome of the
+      same severity (pass <-> pass_declared) -> ``pass`` with a note; worse, or a different failure
       of the same severity -> ``new_failure``.
     """
     if expected is None:
@@ -350,6 +351,9 @@ def classify(expected: Expected | None, actual: str | None, *, flaky_reason: str
         return "new_failure", f"the file says {e}; tonight the target ran it: {actual}"
     if severity(actual) < severity(e):
         return "unexpected_pass", "fixed" if actual in MATCHED else f"improved ({e} -> {actual})"
+    if actual in MATCHED and e in MATCHED and severity(actual) == severity(e):
+        # e.g. pass <-> pass_declared: matched either way, as the diff sees it; the file should say which
+        return "pass", f"matched as {actual}, not {e} (update the file)"
     return "new_failure", ""
 
 
@@ -422,13 +426,14 @@ def format_check(res: CheckResult, *, limit: int = 50) -> str:
             lines.append(f"  {g.count:>4} x {g.label}")
             lines.append(f"         {', '.join(g.models[:5])}{' ...' if g.count > 5 else ''}")
     for status in STATUSES:
-        items = [v for v in res.by_status(status) if status != "pass"
-                 and (status != "expected_failure" or v.note)]
+        items = [v for v in res.by_status(status) if status not in ("pass", "expected_failure") or v.note]
         if not items:
             continue
         title = status.upper().replace("_", " ") if status in GATING else status.replace("_", " ")
         if status == "expected_failure":
             title = "expected failures whose detail changed"
+        if status == "pass":
+            title = "passes whose matched outcome changed"
         lines.append(f"\n{title} ({len(items)}): {_MEANING[status]}")
         for v in items[:limit]:
             arrow = f"{v.expected or '-'} -> {v.actual or '-'}"
