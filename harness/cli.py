@@ -170,40 +170,38 @@ def build_parser() -> argparse.ArgumentParser:
 def _nightly_parsers(sub: Any) -> None:
     """`baseline`, `trend` and `groups`: what a nightly job gates on and keeps."""
     p = sub.add_parser("baseline", help="expected outcomes per configuration: write them, check a run against them")
-    bsub = p.add_subparsers(dest="baseline_command", required=True)
-    p = bsub.add_parser("update", help="write the expected file(s) from a run")
+    p.set_defaults(func=cmd_baseline)
+    b = p.add_subparsers(dest="baseline_command", required=True)
+    p = b.add_parser("update", help="write the expected file(s) from a run")
     p.add_argument("--db", required=True)
-    p.add_argument("--run", default=None, help="run id (default: the DB's run, or the one --out is named for)")
-    out = p.add_mutually_exclusive_group(required=True)
-    out.add_argument("--out", default=None, help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
-    out.add_argument("--out-dir", default=None, help="write one conventionally named file per configuration in the DB")
-    p.set_defaults(func=cmd_baseline_update)
-    p = bsub.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
+    p.add_argument("--run", help="run id (default: the DB's run, or the one --out is named for)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
+    g.add_argument("--out-dir", help="write one conventionally named file per configuration in the DB")
+    p = b.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
     p.add_argument("--db", required=True)
-    p.add_argument("--run", default=None, help="run id (default: the latest run of the file's configuration)")
-    exp = p.add_mutually_exclusive_group(required=True)
-    exp.add_argument("--expected", default=None, help="expected file")
-    exp.add_argument("--expected-dir", default=None, help="check every configuration in the DB against its file here")
-    p.add_argument("--flaky", default=None, help="flaky list: 'model-or-pattern  # reason' per line")
+    p.add_argument("--run", help="run id (default: the latest run of the file's configuration)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--expected", help="expected file")
+    g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
+    p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_baseline_check)
 
     p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
-    tsub = p.add_subparsers(dest="trend_command", required=True)
-    p = tsub.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
+    p.set_defaults(func=cmd_trend)
+    t = p.add_subparsers(dest="trend_command", required=True)
+    p = t.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
     p.add_argument("--db", required=True)
     p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
-    p.add_argument("--date", default=None, help="the night's date (default: each run's start date)")
-    p.add_argument("--summary", default=None, help="also write the night's headline as a Markdown table here")
-    p.set_defaults(func=cmd_trend_append)
-    p = tsub.add_parser("show", help="print the trend per configuration")
+    p.add_argument("--date", help="the night's date (default: each run's start date)")
+    p.add_argument("--summary", help="also write the night's headline as a Markdown table here")
+    p = t.add_parser("show", help="print the trend per configuration")
     p.add_argument("--history", required=True)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_trend_show)
 
     p = sub.add_parser("groups", help="failures grouped by fingerprint (outcome, op or module type, error line)")
     p.add_argument("--db", default=DEFAULT_DB)
-    p.add_argument("--run", default=None, help="run id (default: latest)")
+    p.add_argument("--run", help="run id (default: latest)")
     p.add_argument("--limit", type=int, default=30, help="groups to print")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_groups)
@@ -463,59 +461,31 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- nightly: baseline, trend, groups
 
 
-def cmd_baseline_update(args: argparse.Namespace) -> int:
-    from harness.analysis import baseline as bl
+def cmd_baseline(args: argparse.Namespace) -> int:
     from harness.analysis import nights
+    from harness.analysis.baseline import format_check
 
-    if args.out_dir is not None and not Path(args.out_dir).is_dir():
-        raise FileNotFoundError(f"--out-dir {args.out_dir} is not a directory")
-    for run in nights.runs_to_update(args.db, run_id=args.run, out=args.out):
-        dest = Path(args.out) if args.out is not None else Path(args.out_dir) / run["config"].file_name
-        rows = bl.expected_rows(nights.load_run(args.db, run["run_id"]))
-        bl.write_expected(dest, run["config"], rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
-        print(f"wrote {dest}: {len(rows)} models from run {run['run_id']} ({bl.count_line(rows)})")
-    return 0
-
-
-def cmd_baseline_check(args: argparse.Namespace) -> int:
-    from harness.analysis import baseline as bl
-    from harness.analysis import nights
-
-    flaky = bl.read_flaky(args.flaky) if args.flaky else {}
-    pairs = nights.runs_to_check(args.db, run_id=args.run, expected=args.expected, expected_dir=args.expected_dir)
-    results = [bl.check(exp, nights.load_run(args.db, run["run_id"]), run_config=run["config"], run_id=run["run_id"],
-                        flaky=flaky) for exp, run in pairs]
+    if args.baseline_command == "update":
+        print("\n".join(nights.update_baselines(args.db, run_id=args.run, out=args.out, out_dir=args.out_dir)))
+        return 0
+    results = nights.check_baselines(args.db, run_id=args.run, expected=args.expected,
+                                     expected_dir=args.expected_dir, flaky=args.flaky)
     ok = all(r.ok for r in results)
-    if args.json:
-        print(json.dumps({"ok": ok, "checks": [r.to_dict() for r in results]}, indent=1))
-    else:
-        print("\n\n".join(bl.format_check(r) for r in results))
+    out = {"ok": ok, "checks": [r.to_dict() for r in results]}
+    print(json.dumps(out, indent=1) if args.json else "\n\n".join(format_check(r) for r in results))
     return 0 if ok else 1
 
 
-def cmd_trend_append(args: argparse.Namespace) -> int:
-    from harness.analysis.trend import append_history, format_markdown, summarize_db
+def cmd_trend(args: argparse.Namespace) -> int:
+    from harness.analysis import trend
 
-    entries = summarize_db(args.db, date=args.date)
-    if not entries:
-        raise ValueError(f"{args.db} contains no model results")
-    n = append_history(args.history, entries)
-    if args.summary:
-        Path(args.summary).write_text(format_markdown(entries), encoding="utf-8")
-    for e in entries:
-        print(f"{e['date']} {e['config']}: ran {e['ran_pct']}%, matched {e['matched_pct']}% "
-              f"({e['total']} models, {len(e['groups'])} failure groups)")
-    print(f"history {args.history}: {n} line(s)")
-    return 0
-
-
-def cmd_trend_show(args: argparse.Namespace) -> int:
-    from harness.analysis.trend import format_history, read_history
-
+    if args.trend_command == "append":
+        print(trend.append_night(args.db, args.history, date=args.date, summary=args.summary))
+        return 0
     if not Path(args.history).is_file():
         raise FileNotFoundError(f"history file {args.history} does not exist")
-    entries = read_history(args.history)
-    print(json.dumps(entries, indent=1) if args.json else format_history(entries))
+    entries = trend.read_history(args.history)
+    print(json.dumps(entries, indent=1) if args.json else trend.format_history(entries))
     return 0
 
 

@@ -13,7 +13,18 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analysis.baseline import Config, ExpectedFile, list_key, read_expected
+from harness.analysis.baseline import (
+    CheckResult,
+    Config,
+    ExpectedFile,
+    check,
+    count_line,
+    expected_rows,
+    list_key,
+    read_expected,
+    read_flaky,
+    write_expected,
+)
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -94,3 +105,27 @@ def load_run(db: str | os.PathLike, run_id: str) -> pd.DataFrame:
     """One run's results."""
     with ResultStore(db, create=False) as store:
         return store.results(run_id)
+
+
+def update_baselines(db: str | os.PathLike, *, run_id: str | None = None, out: str | os.PathLike | None = None,
+                     out_dir: str | os.PathLike | None = None) -> list[str]:
+    """`baseline update`: write the expected file(s) (``out``, or one per configuration in ``out_dir``);
+    returns one line per file written."""
+    if out_dir is not None and not Path(out_dir).is_dir():
+        raise FileNotFoundError(f"--out-dir {out_dir} is not a directory")
+    lines = []
+    for run in runs_to_update(db, run_id=run_id, out=out):
+        dest = Path(out) if out is not None else Path(out_dir or ".") / run["config"].file_name
+        rows = expected_rows(load_run(db, run["run_id"]))
+        write_expected(dest, run["config"], rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
+        lines.append(f"wrote {dest}: {len(rows)} models from run {run['run_id']} ({count_line(rows)})")
+    return lines
+
+
+def check_baselines(db: str | os.PathLike, *, run_id: str | None = None, expected: str | os.PathLike | None = None,
+                    expected_dir: str | os.PathLike | None = None,
+                    flaky: str | os.PathLike | None = None) -> list[CheckResult]:
+    """`baseline check`: every (expected file, run) pair of :func:`runs_to_check`, checked."""
+    known = read_flaky(flaky) if flaky is not None else {}
+    return [check(exp, load_run(db, run["run_id"]), run_config=run["config"], run_id=run["run_id"], flaky=known)
+            for exp, run in runs_to_check(db, run_id=run_id, expected=expected, expected_dir=expected_dir)]

@@ -159,6 +159,21 @@ def _fmt(v: Any) -> str:
     return "   -  " if v is None else f"{v:5.1f}%"
 
 
+def append_night(db: str | os.PathLike, history: str | os.PathLike, *, date: str | None = None,
+                 summary: str | os.PathLike | None = None) -> str:
+    """`trend append`: add the night in ``db`` to ``history`` (and its headline as Markdown to
+    ``summary``); returns what was added, one line per configuration."""
+    entries = summarize_db(db, date=date)
+    if not entries:
+        raise ValueError(f"{db} contains no model results")
+    n = append_history(history, entries)
+    if summary is not None:
+        Path(summary).write_text(format_markdown(entries), encoding="utf-8")
+    lines = [f"{e['date']} {e['config']}: ran {e['ran_pct']}%, matched {e['matched_pct']}% "
+             f"({e['total']} models, {len(e['groups'])} failure groups)" for e in entries]
+    return "\n".join([*lines, f"history {history}: {n} line(s)"])
+
+
 def format_markdown(entries: list[dict[str, Any]]) -> str:
     """A night's headline as a Markdown table (a CI job summary leads with it): ran % and numerics
     matched % per configuration, then pass % and the size of the night."""

@@ -26,13 +26,13 @@ from harness.analysis.matrix import op_coverage, op_support, outcome_counts, wit
 from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
 from harness.outcomes import COLOURS, OUTCOMES
+from harness.report.nightly import groups_view, regression_groups_view, trend_view
 from harness.report.views import (
     collective_faults_view,
     collectives_view,
     diff_view,
     drift_view,
     fmt,
-    groups_view,
     history_view,
     matrix_data,
     records,
@@ -40,7 +40,6 @@ from harness.report.views import (
     run_view,
     safe_name,
     summary_view,
-    trend_view,
 )
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
@@ -480,7 +479,8 @@ def build_report(
         _render_collectives(site, data)
         _render_collective_faults(site, data)
         if res is not None and base is not None:
-            site.render("diff.html", "diff.html", diff=diff_view(res, hrefs), base_from=base[2])
+            diff = {**diff_view(res, hrefs), "groups": regression_groups_view(res, hrefs)}
+            site.render("diff.html", "diff.html", diff=diff, base_from=base[2])
         if entries is not None:
             site.render("trend.html", "trend.html", **trend_view(entries))
 

@@ -15,13 +15,11 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.diff import DiffResult
-from harness.analysis.fingerprint import FailureGroup
 from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
-from harness.analysis.trend import series
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
-from harness.report.svg import as_number, svg_bars, svg_histogram, svg_lines, svg_outcome_bar
+from harness.report.svg import as_number, svg_bars, svg_histogram, svg_outcome_bar
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -288,6 +286,7 @@ def _fallback_text(ops: Any) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+# Every column matrix_data reads (only these are turned into dicts: a night's frame is large).
 _MATRIX_COLUMNS = ("model_id", "config", "arch", "task", "modality", "outcome", "fallback_ops", "rmse_ratio",
                    "wall_time_s", "unsupported_op", "error_type")
 
@@ -357,15 +356,9 @@ def diff_view(res: DiffResult, hrefs: dict[str, str]) -> dict[str, Any]:
         ("Added", "", res.added),
         ("Removed", "", res.removed),
     ]
-    groups = [
-        {"group": g, "count": len(items), "more": max(0, len(items) - 5),
-         "examples": [(c.model_id, hrefs.get(c.model_id)) for c in items[:5]]}
-        for g, items in res.regression_groups()
-    ]
     return {
         "base_run": res.base_run,
         "head_run": res.head_run,
-        "groups": groups,
         "n_regressions": len(res.regressions),
         "unchanged": res.unchanged,
         "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in sections],
@@ -504,64 +497,3 @@ def collective_faults_view(faults: pd.DataFrame) -> dict[str, Any]:
         })
     labels = [{"backend": b, "world_size": w, "setting": s} for b, w, s in columns]
     return {"columns": labels, "grid": grid, "rows": rows}
-
-
-# ----------------------------------------------------------------------------------------------
-# Failure groups (summary page) and the trend page
-# ----------------------------------------------------------------------------------------------
-
-
-def groups_view(groups: list[FailureGroup], hrefs: dict[str, str], *, limit: int = 25,
-                examples: int = 3) -> dict[str, Any]:
-    """The summary page's failure groups: the ``limit`` biggest, each with a few example models."""
-    return {
-        "groups": [
-            {
-                "count": g.count,
-                "outcome": g.outcome,
-                "what": g.what,
-                "message": g.message,
-                "example": g.example,
-                "reference_side": g.reference_side,
-                "configs": g.configs,
-                "examples": [(m, hrefs.get(m)) for m in g.models[:examples]],
-                "more": max(0, g.count - examples),
-            }
-            for g in groups[:limit]
-        ],
-        "n_groups": len(groups),
-        "n_failing": sum(g.count for g in groups),
-    }
-
-
-_TREND_SERIES = (("pass %", "pass", "pass_pct"), ("ran %", "ran", "ran_pct"), ("matched %", "matched", "matched_pct"))
-
-
-def trend_view(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trend page: per configuration a line chart of pass / ran / matched % per night and a table
-    of its nights (newest first) with the failure groups that appeared or disappeared that night."""
-    configs = []
-    for config, nights in series(entries).items():
-        labels = [_text(n.entry.get("date")) or _text(n.entry.get("run_id")) for n in nights]
-        seen: dict[str, int] = {}
-        for i, label in enumerate(labels):  # several nights on one date (re-runs) stay apart on the axis
-            seen[label] = seen.get(label, 0) + 1
-            if seen[label] > 1:
-                labels[i] = f"{label} #{seen[label]}"
-        values = [(name, cls, [as_number(n.entry.get(key)) for n in nights]) for name, cls, key in _TREND_SERIES]
-        rows = [
-            {
-                "label": label,
-                "run_id": _text(n.entry.get("run_id")),
-                "total": n.entry.get("total", 0),
-                "pass": fmt(n.entry.get("pass_pct")),
-                "ran": fmt(n.entry.get("ran_pct")),
-                "matched": fmt(n.entry.get("matched_pct")),
-                "n_groups": len(n.entry.get("groups") or []),
-                "appeared": n.appeared,
-                "disappeared": n.disappeared,
-            }
-            for label, n in zip(labels, nights, strict=True)
-        ]
-        configs.append({"config": config, "n": len(nights), "svg": svg_lines(labels, values), "nights": rows[::-1]})
-    return {"configs": configs, "n_entries": len(entries)}
