@@ -220,7 +220,11 @@ fi
   elif (( base_rc == 2 )); then
     echo "**Baseline: bad input** — $(tail -1 "$OUT/baseline.txt")"
   else
-    echo "**Baseline:** $(grep '^RESULT: ' "$OUT/baseline.txt" | sed 's/^RESULT: //' | paste -sd ';' -)"
+    echo "**Baseline:**"
+    echo
+    # one bullet per configuration: its expected file and the verdict
+    awk '/^baseline check of run / { n = split($NF, p, "/"); file = p[n] }
+         /^RESULT: / { sub(/^RESULT: /, ""); print "- `" file "`: " $0 }' "$OUT/baseline.txt"
   fi
   if [[ -n "$PREV_DB" ]]; then echo; echo "**Diff vs last night:** $(grep '^RESULT: ' "$OUT/diff.txt" | sed 's/^RESULT: //')"; fi
   if [[ -s "$OUT/baseline.txt" ]]; then
