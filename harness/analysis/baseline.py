@@ -35,7 +35,6 @@ from harness.analysis.matrix import column_records
 from harness.outcomes import DEVICE_SIDE, MATCHED, NOT_THE_MODELS, severity
 from harness.results.codec import canonical_json
 
-EXPECTED_DIR = Path(__file__).resolve().parents[2] / "model_lists" / "expected"
 COLUMNS = ("model", "outcome", "detail")
 _MAGIC = "# portharness expected outcomes"
 
