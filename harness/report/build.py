@@ -104,17 +104,18 @@ def _load(
         # else the latest benchmark run in the DB.
         coll_run = rid if store.collectives(rid).shape[0] else store.latest_run(has_collectives=True)
         faults = _latest_faults(store, rid)
+        hist = store.history()
         return _RunData(
             run_id=rid,
             df=df,
             runs=runs,
             run=runs[runs.run_id == rid].iloc[0].to_dict(),
-            hist=store.history(),
+            hist=hist,
             coll=store.collectives(coll_run) if coll_run else store.collectives(rid),
             coll_run=coll_run,
             faults=faults,
             faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
-            base=_resolve_base(store, rid, base_run, base_db),
+            base=_resolve_base(store, rid, base_run, base_db, hist),
         )
 
 
@@ -134,14 +135,15 @@ def _load_night(store: ResultStore, rids: list[str], base_db: str | os.PathLike 
     previous run in this DB, or every configuration's latest run in ``base_db``."""
     df = with_config(pd.concat([store.results(r) for r in rids], ignore_index=True))
     runs = store.runs()
+    hist = store.history()
     if base_db is not None:
         with ResultStore(base_db, read_only=True) as bs:
             base_ids = [r["run_id"] for r in night_runs(bs)]
-            base_df = pd.concat([bs.results(r) for r in base_ids], ignore_index=True) if base_ids else None
+            base_df = _base_rows(bs, base_ids) if base_ids else None
             where = str(base_db)
     else:
         base_ids = [b for b in (previous_comparable(store, r) for r in rids) if b is not None]
-        base_df = pd.concat([store.results(b) for b in base_ids], ignore_index=True) if base_ids else None
+        base_df = _base_rows(store, base_ids, hist) if base_ids else None
         where = "this DB"
     coll_run = store.latest_run(has_collectives=True)
     faults = _latest_faults(store, rids[0])
@@ -150,7 +152,7 @@ def _load_night(store: ResultStore, rids: list[str], base_db: str | os.PathLike 
         df=df,
         runs=runs,
         run=runs[runs.run_id == rids[0]].iloc[0].to_dict(),
-        hist=store.history(),
+        hist=hist,
         coll=store.collectives(coll_run) if coll_run else store.collectives(rids[0]),
         coll_run=coll_run,
         faults=faults,
@@ -159,20 +161,30 @@ def _load_night(store: ResultStore, rids: list[str], base_db: str | os.PathLike 
     )
 
 
-def _resolve_base(
-    store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None
-) -> tuple[str, pd.DataFrame, str] | None:
-    """(base run id, its results, where from), or None when there is nothing to compare with."""
+def _base_rows(store: ResultStore, run_ids: list[str], hist: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The diff base as the light history rows (outcome, ratio, op, error type): the diff never reads the
+    metrics, attempts and tracebacks whose JSON was a fifth of loading a 5,000-model report (a model
+    removed since the base is described by its op or error type, without its message)."""
+    for rid in run_ids:
+        if not store.has_run(rid):
+            store.results(rid)  # StoreError naming the recent runs
+    hist = store.history() if hist is None else hist
+    return hist[hist["run_id"].isin(run_ids)].reset_index(drop=True)
+
+
+def _resolve_base(store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None,
+                  hist: pd.DataFrame | None = None) -> tuple[str, pd.DataFrame, str] | None:
+    """(base run id, its rows, where from), or None when there is nothing to compare with."""
     if base_db is not None:
         with ResultStore(base_db, read_only=True) as bs:
             rid = base_run or bs.latest_run(has_results=True)
             if rid is None:
                 raise StoreError(f"base DB {base_db} contains no runs")
-            return rid, bs.results(rid), str(base_db)
+            return rid, _base_rows(bs, [rid]), str(base_db)
     rid = base_run or previous_comparable(store, run_id)
     if rid is None:
         return None
-    return rid, store.results(rid), "this DB"
+    return rid, _base_rows(store, [rid], hist), "this DB"
 
 
 _DICT_ATTRS = frozenset(dir(dict))
@@ -353,10 +365,7 @@ def _page_workers(n_pages: int) -> int:
     use (and 4); 1 where there is no fork."""
     if not hasattr(os, "fork") or n_pages < 2 * PAGES_PER_WORKER:
         return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(4, cpus, n_pages // PAGES_PER_WORKER))
 
 
