@@ -45,7 +45,7 @@ def night_runs(store: ResultStore) -> list[dict[str, Any]]:
 
 
 def _night(db: str | os.PathLike) -> list[dict[str, Any]]:
-    with ResultStore(db, create=False) as store:
+    with ResultStore(db, read_only=True) as store:
         runs = night_runs(store)
     if not runs:
         raise StoreError(f"{db} contains no model results")
@@ -57,7 +57,7 @@ def pick_run(db: str | os.PathLike, *, run_id: str | None = None, config: Config
     """One run: ``run_id``; else the latest run of ``config``; else the DB's only configuration; else the
     one whose conventional file name is ``file_name``. ValueError naming the choices otherwise."""
     if run_id is not None:
-        with ResultStore(db, create=False) as store:
+        with ResultStore(db, read_only=True) as store:
             store.results(run_id)  # StoreError naming recent runs when it is not there
             runs = store.runs()
         run = runs[runs.run_id == run_id].iloc[0].to_dict()
@@ -103,7 +103,7 @@ def runs_to_check(db: str | os.PathLike, *, run_id: str | None = None, expected:
 
 def load_run(db: str | os.PathLike, run_id: str) -> pd.DataFrame:
     """One run's results."""
-    with ResultStore(db, create=False) as store:
+    with ResultStore(db, read_only=True) as store:
         return store.results(run_id)
 
 

@@ -65,7 +65,7 @@ def _round(v: Any) -> float | None:
 
 def summarize_db(db: str | os.PathLike, *, date: str | None = None) -> list[dict[str, Any]]:
     """History lines for the night in ``db``: the latest run of each configuration."""
-    with ResultStore(db, create=False) as store:
+    with ResultStore(db, read_only=True) as store:
         return [summarize(run, store.results(run["run_id"]), date=date) for run in night_runs(store)]
 
 
