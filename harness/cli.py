@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0, help="only the first N models (after sharding)")
     p.add_argument("--only", default="", help="comma-separated model ids or architectures to run")
     p.add_argument("--retries", type=int, default=1, help="retries for crashes/timeouts/device errors")
+    p.add_argument("--rerun-flaky", type=int, default=0, metavar="N",
+                   help="re-run each model whose attempts disagreed N more times; flaky only if it really flips")
     p.add_argument("--spare", type=int, default=0, help="devices kept idle as hot spares")
     p.add_argument("--quarantine-after", type=int, default=2, help="device strikes before quarantine")
     p.add_argument("--report", default=None, help="build the HTML report into this directory afterwards")
@@ -119,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-db", default=None, help="DB of the head run (its latest run)")
     p.add_argument("--drift-factor", type=float, default=2.0, help="rmse-ratio growth counted as regression")
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
+    p.add_argument("--night", action="store_true",
+                   help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
 
@@ -129,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default=None, help="base run for the diff page")
     p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (scripts/opinfo_table.py)")
+    p.add_argument("--history", default=None, help="nightly history file (portharness trend append): adds the trend page")
+    p.add_argument("--night", action="store_true",
+                   help="show the latest run of every configuration in the DB (a merged nightly DB with several settings)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("merge", help="merge shard DBs into one")
@@ -172,7 +179,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate")
     p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
     p.set_defaults(func=cmd_zoo)
+    _nightly_parsers(sub)
     return ap
+
+
+def _nightly_parsers(sub: Any) -> None:
+    """`baseline`, `trend` and `groups`: what a nightly job gates on and keeps."""
+    p = sub.add_parser("baseline", help="expected outcomes per configuration: write them, check a run against them")
+    p.set_defaults(func=cmd_baseline)
+    b = p.add_subparsers(dest="baseline_command", required=True)
+    p = b.add_parser("update", help="write the expected file(s) from a run")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", help="run id (default: the DB's run, or the one --out is named for)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
+    g.add_argument("--out-dir", help="write one conventionally named file per configuration in the DB")
+    p = b.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", help="run id (default: the latest run of the file's configuration)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--expected", help="expected file")
+    g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
+    p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
+    p.set_defaults(func=cmd_trend)
+    t = p.add_subparsers(dest="trend_command", required=True)
+    p = t.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
+    p.add_argument("--db", required=True)
+    p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
+    p.add_argument("--date", help="the night's date (default: each run's start date)")
+    p.add_argument("--summary", help="also write the night's headline as a Markdown table here")
+    p = t.add_parser("show", help="print the trend per configuration")
+    p.add_argument("--history", required=True)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("groups", help="failures grouped by fingerprint (outcome, op or module type, error line)")
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--run", help="run id (default: latest)")
+    p.add_argument("--limit", type=int, default=30, help="groups to print")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_groups)
 
 
 # ---------------------------------------------------------------- check / run
@@ -246,7 +294,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
     config = _run_config(args, jobs=args.jobs, retries=args.retries, spare=args.spare,
-                         quarantine_after=args.quarantine_after, progress=not args.quiet)
+                         quarantine_after=args.quarantine_after, progress=not args.quiet,
+                         rerun_flaky=args.rerun_flaky)
     plan(config)  # devices, spares, ranges: before a line is printed or a file touched
     if os.path.exists(args.db):
         usable(Path(args.db))  # ours and undamaged, checked without writing
@@ -267,6 +316,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(outcome_table(summary.counts, done))
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())))
+    if summary.reruns:
+        print(f"  re-ran {summary.reruns.get('models', 0)} model(s) whose attempts disagreed, {args.rerun_flaky}x each: "
+              f"flaky {summary.reruns.get('flaky', 0)}, stable {summary.reruns.get('stable', 0)}")
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
@@ -311,7 +363,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from harness.analysis.diff import diff_runs, format_summary, load_allowlist, resolve_runs
 
     (base_id, base_df), (head_id, head_df) = resolve_runs(
-        db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db
+        db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
                     flaky_allowlist=load_allowlist(args.flaky_allowlist))
@@ -326,7 +378,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
-                         opinfo_csv=args.opinfo)
+                         opinfo_csv=args.opinfo, history=args.history, night=args.night)
     print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
           f"(open it from disk: file://{index.resolve()})")
     return 0
@@ -424,6 +476,50 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     for reason, n in counts["failed"].items():
         print(f"  failed {reason}: {n}")
     print(f"wrote {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- nightly: baseline, trend, groups
+
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    from harness.analysis import nights
+    from harness.analysis.baseline import format_check
+
+    if args.baseline_command == "update":
+        print("\n".join(nights.update_baselines(args.db, run_id=args.run, out=args.out, out_dir=args.out_dir)))
+        return 0
+    results = nights.check_baselines(args.db, run_id=args.run, expected=args.expected,
+                                     expected_dir=args.expected_dir, flaky=args.flaky)
+    ok = all(r.ok for r in results)
+    out = {"ok": ok, "checks": [r.to_dict() for r in results]}
+    print(json.dumps(out, indent=1) if args.json else "\n\n".join(format_check(r) for r in results))
+    return 0 if ok else 1
+
+
+def cmd_trend(args: argparse.Namespace) -> int:
+    from harness.analysis import trend
+
+    if args.trend_command == "append":
+        print(trend.append_night(args.db, args.history, date=args.date, summary=args.summary))
+        return 0
+    if not Path(args.history).is_file():
+        raise FileNotFoundError(f"history file {args.history} does not exist")
+    entries = trend.read_history(args.history)
+    print(json.dumps(entries, indent=1) if args.json else trend.format_history(entries))
+    return 0
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    from harness.analysis.fingerprint import format_groups, group_failures
+    from harness.analysis.matrix import load_results, with_config
+
+    rid, df = load_results(args.db, args.run)
+    groups = group_failures(with_config(df))
+    if args.json:
+        print(json.dumps({"run_id": rid, "groups": [g.to_dict() for g in groups]}, indent=1))
+    else:
+        print(f"run {rid}: " + format_groups(groups, limit=args.limit))
     return 0
 
 

@@ -188,10 +188,15 @@ if args and args[0] == "run":
             outcome = "crash" if broken and m == 0 else "pass"
             st.record(ResultRow(run_id=rid, model_id=f"tiny/m{m}", target=opt["--target"], settings={"ops": "young"}, outcome=outcome, arch="Bert"))
         st.finish_run(rid)
-    sys.exit(0)
+    sys.exit(1 if sys.argv[0].endswith("dies.py") and i == 2 else 0)  # dies.py: shard 2 fails after its rows
 from harness.cli import build_parser  # the real CLI wiring, minus main()'s eager torch import
+from harness.results.dbfile import StoreError
 ns = build_parser().parse_args(args)
-sys.exit(ns.func(ns))
+try:
+    sys.exit(ns.func(ns))
+except (ValueError, FileNotFoundError, StoreError) as e:  # main()'s exit policy: bad input is one line, exit 2
+    print(f"portharness {ns.command}: error: {e}", file=sys.stderr)
+    sys.exit(2)
 """
 
 
@@ -200,7 +205,8 @@ def _run_script(
 ) -> subprocess.CompletedProcess:
     cli = tmp_path / fake
     cli.write_text(_FAKE_CLI)
-    full_env = {**os.environ, "OUT": str(out), "PORTHARNESS": f"{sys.executable} {cli}", **env}
+    full_env = {**os.environ, "OUT": str(out), "PORTHARNESS": f"{sys.executable} {cli}",
+                "EXPECTED_DIR": str(tmp_path / "expected"), "HISTORY": str(tmp_path / "history.jsonl"), **env}
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     return subprocess.run(
         ["bash", str(SCRIPT), "tiny-zoo", str(shards)],
@@ -213,9 +219,12 @@ def _run_script(
 
 def test_nightly_local_pipeline(tmp_path: Path) -> None:
     night1, night2 = tmp_path / "n1", tmp_path / "n2"
-    first = _run_script(tmp_path, "good.py", night1, shards=3, PARALLEL="1")
+    first = _run_script(tmp_path, "good.py", night1, shards=3, PARALLEL="1", UPDATE_BASELINE="1")
     assert first.returncode == 0, first.stderr
     assert (night1 / "site" / "index.html").is_file() and "diff skipped" in first.stderr
+    assert (tmp_path / "expected" / "tiny-zoo--sim--ops=young.csv").is_file() and "RESULT: OK" in first.stdout
+    summary = (night1 / "summary.md").read_text()
+    assert "| `sim ops=young` | **100.0** | **100.0** |" in summary and "- `tiny-zoo--sim--ops=young.csv`: OK: 0 new failure(s)" in summary
     with ResultStore(night1 / "merged.db", create=False) as st:
         runs = st.runs()
         assert len(runs) == 1 and runs.iloc[0].shard == "1/1"  # three shards became one night
@@ -226,33 +235,108 @@ def test_nightly_local_pipeline(tmp_path: Path) -> None:
     worse = _run_script(tmp_path, "broken.py", tmp_path / "n3", PREV_DB=str(night1 / "merged.db"))
     assert worse.returncode == 1, worse.stdout + worse.stderr
     assert "NEW FAILURES" in worse.stdout and "tiny/m0" in worse.stdout
+    assert "RESULT: FAIL: 1 new failure(s)" in (tmp_path / "n3" / "baseline.txt").read_text()
+    assert "`: FAIL: 1 new failure(s)" in (tmp_path / "n3" / "summary.md").read_text()
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 3  # one line per night
     assert (tmp_path / "n3" / "diff.txt").read_text() == worse.stdout[worse.stdout.index("diff base=") :]
     missing = _run_script(tmp_path, "good.py", tmp_path / "n4", PREV_DB=str(tmp_path / "nope.db"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+    died = _run_script(tmp_path, "dies.py", tmp_path / "n6", PARALLEL="1")
+    assert died.returncode == 1 and "shard 2 failed (exit 1)" in died.stderr
+    assert (tmp_path / "n6" / "site" / "index.html").is_file()  # the night is still merged and reported
+    (tmp_path / "empty").mkdir()
+    no_file = _run_script(tmp_path, "good.py", tmp_path / "n5", EXPECTED_DIR=str(tmp_path / "empty"))
+    assert no_file.returncode == 2 and "create it with `portharness baseline update`" in no_file.stdout
+    assert "**Baseline: bad input**" in (tmp_path / "n5" / "summary.md").read_text()
+
+
+def _three_nights(tmp_path: Path, list_name: str, shards: int, limit: str = "",
+                  parallel: bool = True) -> dict[str, subprocess.CompletedProcess]:
+    """scripts/nightly_local.sh with the real runner over three simulated nights of two settings on one
+    op profile file: night 1 writes the expected files, night 2 runs with aten::gelu removed from the
+    profile (a regression), night 3 with it back (fixed)."""
+    young = (REPO / "harness" / "sim" / "profiles" / "young.txt").read_text()
+    profile = tmp_path / "profile.txt"
+    settings = f"--ops {profile} --precision default\n--ops {profile} --precision highest"
+    env = {**os.environ, "JOBS": "1" if parallel else "2", "PARALLEL": "1" if parallel else "0", "HF_HUB_OFFLINE": "1",
+           "SETTINGS": settings,
+           "EXPECTED_DIR": str(tmp_path / "expected"), "HISTORY": str(tmp_path / "history.jsonl"), "LIMIT": limit}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env.pop("PORTHARNESS", None)
+    nights: dict[str, subprocess.CompletedProcess] = {}
+    prev = ""
+    for n, name in enumerate(("first", "broken", "fixed"), 1):
+        lines = young.splitlines()
+        if name == "broken":
+            lines = [ln for ln in lines if not ln.startswith("aten::gelu.")]
+        profile.write_text("\n".join(lines) + "\n")
+        night_env = {**env, "OUT": str(tmp_path / f"n{n}"), "NIGHT_DATE": f"2026-01-0{n}", "PREV_DB": prev,
+                     "UPDATE_BASELINE": "1" if n == 1 else "0"}
+        nights[name] = subprocess.run(["bash", str(SCRIPT), list_name, str(shards)], env=night_env,
+                                      capture_output=True, text=True, timeout=1800)
+        prev = str(tmp_path / f"n{n}" / "merged.db")
+    return nights
+
+
+def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedProcess], n_models: int) -> None:
+    first, broken, fixed = nights["first"], nights["broken"], nights["fixed"]
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("RESULT: OK: 0 new failure(s), 0 unexpected pass(es)") == 2  # both settings
+    assert len(list((tmp_path / "expected").glob("smoke--sim--ops=*.csv"))) == 2
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    baseline = (tmp_path / "n2" / "baseline.txt").read_text()
+    assert "NEW FAILURES by group (1):" in baseline and "unsupported_op · aten::gelu · Could not run <q>" in baseline
+    assert "tiny/audio-spectrogram-transformer/audio-cls" in baseline
+    assert "REGRESSIONS by group" in broken.stdout and "aten::gelu" in broken.stdout  # the diff vs night 1
+    assert (tmp_path / "n2" / "summary.md").read_text().count("`: FAIL: ") == 2
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert fixed.stdout.count("RESULT: OK") == 2 and "fixes=" in fixed.stdout
+    with ResultStore(tmp_path / "n3" / "merged.db", create=False) as st:
+        runs = st.runs()
+        assert len(runs) == 2 and set(runs.shard) == {"1/1"} and set(runs.n_results) == {n_models}
+    history = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert len(history) == 6  # three nights x two settings
+    trend = (tmp_path / "n3" / "site" / "trend.html").read_text()
+    assert trend.count("<svg class=\"trend\"") == 2
+    for cls in ("pass", "ran", "matched"):
+        assert trend.count(f'class="point {cls}"') == 6  # three points per setting
+    assert "2026-01-02" in trend and "aten::gelu" in trend  # the group that appeared, and went away
+    matrix = (tmp_path / "n3" / "site" / "matrix.html").read_text()
+    assert matrix.count("precision=highest") >= 1 and matrix.count("precision=default") >= 1  # one site, both
+
+
+def test_nightly_local_three_nights_real_runner(tmp_path: Path) -> None:
+    """The whole night here, with the real runner on the first two smoke models per setting."""
+    nights = _three_nights(tmp_path, "smoke", shards=1, limit="2")
+    _check_three_nights(tmp_path, nights, n_models=2)
 
 
 @pytest.mark.slow
-def test_nightly_local_real_run(tmp_path: Path) -> None:
-    """The script end to end with the real runner on a two-model list, two shards (slow: spawns workers)."""
-    lst = tmp_path / "two.csv"
-    lst.write_text(
-        "id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path\n"
-        "tiny/bert/base,tiny,bert,base,text,,,,,,,\n"
-        "tiny/gpt2/causal-lm,tiny,gpt2,causal-lm,text,,,,,,,\n"
-    )
-    env = {**os.environ, "OUT": str(tmp_path / "n1"), "JOBS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env.pop("PORTHARNESS", None)
-    first = subprocess.run(
-        ["bash", str(SCRIPT), str(lst), "2"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert first.returncode == 0, first.stdout + first.stderr
-    env.update(OUT=str(tmp_path / "n2"), PREV_DB=str(tmp_path / "n1" / "merged.db"))
-    second = subprocess.run(
-        ["bash", str(SCRIPT), str(lst), "2"], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "no regressions" in second.stdout
-    with ResultStore(tmp_path / "n2" / "merged.db", create=False) as st:
-        assert st.finished_ids(st.latest_run(has_results=True)) == {"tiny/bert/base", "tiny/gpt2/causal-lm"}
-    assert (tmp_path / "n2" / "site" / "diff.html").is_file()
+def test_nightly_local_three_nights_smoke(tmp_path: Path) -> None:
+    """The same three nights on the whole smoke list (60 models per setting, two shards one after another)."""
+    nights = _three_nights(tmp_path, "smoke", shards=2, parallel=False)
+    _check_three_nights(tmp_path, nights, n_models=60)
+
+
+def test_nightly_local_split_like_the_workflow(tmp_path: Path) -> None:
+    """The workflow's way: one shard job per (setting, shard) with STEPS=shards into its own directory,
+    the DBs gathered in one, then STEPS=night there."""
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    for settings in ("--precision default", "--precision highest --ops full"):
+        for i in (1, 2):
+            job = tmp_path / f"job-{settings[-4:]}-{i}"
+            done = _run_script(tmp_path, "good.py", job, SETTINGS=settings, SHARD_ONLY=str(i), STEPS="shards")
+            assert done.returncode == 0, done.stderr
+            (db,) = job.glob("shard-*.db")
+            assert db.name.startswith("shard---precision_") and db.name.endswith(f"-{i}.db")
+            assert not (job / "merged.db").exists()
+            db.rename(gathered / db.name)
+    assert len(list(gathered.glob("shard-*.db"))) == 4  # unique names per (setting, shard)
+    night = _run_script(tmp_path, "good.py", gathered, STEPS="night", UPDATE_BASELINE="1")
+    assert night.returncode == 0, night.stdout + night.stderr
+    assert (gathered / "site" / "index.html").is_file() and (gathered / "summary.md").is_file()
+    bad = _run_script(tmp_path, "good.py", tmp_path / "x", STEPS="nope")
+    assert bad.returncode == 2 and "STEPS must be" in bad.stderr
+    bad = _run_script(tmp_path, "good.py", tmp_path / "x", SHARD_ONLY="3")
+    assert bad.returncode == 2 and "SHARD_ONLY" in bad.stderr

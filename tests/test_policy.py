@@ -155,3 +155,45 @@ def test_interrupted_attempts_do_not_use_the_retry_budget() -> None:
 def test_no_retry_without_a_healthy_device() -> None:
     f = Fleet([], quarantined=["d0", "d1"])
     assert policy.settle(f, Job("a"), m("crash"), "d0", 1.0).outcome == "crash"
+
+
+# ----------------------------------------------------------------------------------------------
+# --rerun-flaky: which models are sampled again, and what the samples decide
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_model_whose_attempts_disagreed_is_rerun_and_one_that_agreed_is_not() -> None:
+    f = fleet(2, quarantine_after=9)
+    flipped = Job("a")
+    policy.settle(f, flipped, m("crash"), "d0", 1.0)
+    assert policy.settle(f, flipped, m("pass"), "d1", 1.0).outcome == "flaky"
+    assert policy.counted(flipped) == ["crash", "pass"] and policy.needs_rerun(flipped, "flaky")
+    steady = Job("b")
+    policy.settle(f, steady, m("crash"), "d0", 1.0)
+    assert policy.settle(f, steady, m("crash"), "d1", 1.0).outcome == "crash"
+    assert not policy.needs_rerun(steady, "crash")
+    faulted = Job("c")  # a device fault is the device's: it is not a disagreement of the model
+    policy.settle(f, faulted, m("device_error", device_fault=True), "d0", 1.0)
+    assert policy.settle(f, faulted, m("pass"), "d1", 1.0).outcome == "pass"
+    assert policy.counted(faulted) == ["pass"] and not policy.needs_rerun(faulted, "pass")
+    pending = Job("d")
+    policy.interrupt(pending, "d0")
+    pending.attempts += flipped.attempts
+    assert not policy.needs_rerun(pending, "device_error")  # not a result yet: re-run on resume instead
+
+
+@pytest.mark.parametrize(
+    ("first", "reruns", "verdict"),
+    [
+        ("pass", ["pass", "pass", "pass"], "pass"),  # stable: the earlier failure was a one-off
+        ("drift", ["drift", "drift"], "drift"),
+        ("pass", ["pass", "drift", "pass"], "flaky"),  # it really flips
+        ("pass", ["crash", "crash", "crash"], "flaky"),  # it passed once, it fails now: flaky
+        ("crash", ["pass"], "flaky"),
+        ("crash", ["timeout", "crash", "timeout", "timeout"], "timeout"),  # flips among failures: most common
+        ("crash", ["timeout"], "crash"),  # a tie goes to the worse outcome, never to flaky (flaky counts as matched)
+        ("pass", [], "pass"),  # no sample came back (no healthy device left)
+    ],
+)
+def test_rerun_verdict(first: str, reruns: list[str], verdict: str) -> None:
+    assert policy.rerun_verdict(first, reruns) == verdict

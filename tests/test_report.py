@@ -296,3 +296,94 @@ def test_collectives_run_separate_from_model_run(tmp_path: Path, write_synthetic
     coll = (out / "collectives.html").read_text()
     assert "all_reduce" in coll and bench in coll
     assert len(list((out / "models").glob("*.html"))) == 6
+
+
+# ----------------------------------------------------------------------------------------------
+# Nightly: failure groups, the trend page, a night of several configurations
+# ----------------------------------------------------------------------------------------------
+
+
+def three_night_history(db: Path, path: Path) -> Path:
+    """A history file with three nights of two configurations from a 3-run synthetic DB: the second
+    configuration is the first one shifted (the rendering, not the numbers, is under test)."""
+    from harness.analysis.trend import append_history, summarize
+
+    with ResultStore(db, create=False) as st:
+        entries = [summarize(run, st.results(run["run_id"])) for run in st.runs().to_dict("records")[::-1]]
+    other = [{**e, "config": "sim ops=full precision=highest", "settings": {"ops": "full", "precision": "highest"},
+              "ran_pct": min(100.0, e["ran_pct"] + 5), "groups": e["groups"][1:]} for e in entries]
+    append_history(path, entries + other)
+    return path
+
+
+def test_trend_page_groups_and_diff_groups(tmp_path: Path, write_synthetic_db) -> None:
+    db, out = tmp_path / "n.db", tmp_path / "site"
+    write_synthetic_db(db, 60, runs=3, seed=3, collectives=False)
+    hist = three_night_history(db, tmp_path / "history.jsonl")
+    build_report(db, out, history=hist)
+    page = (out / "trend.html").read_text()
+    assert _scan(out / "trend.html").tags.count("svg") == 2
+    for cls in ("pass", "ran", "matched"):
+        assert page.count(f'class="point {cls}"') == 6  # three nights x two configurations
+    assert "2026-01-03" in page and "night-02" in page and 'class="appeared"' in page
+    assert '<a href="trend.html"' in (out / "index.html").read_text()  # in the nav of every page
+    index = (out / "index.html").read_text()
+    assert 'id="failure-groups"' in index and "Failure groups" in index
+    assert "<script>alert" not in index  # group messages are text
+    diff = (out / "diff.html").read_text()
+    assert "Regressions by failure group" in diff
+    with pytest.raises(FileNotFoundError, match="history file"):
+        build_report(db, tmp_path / "s2", history=tmp_path / "none.jsonl")
+    assert not (tmp_path / "s2").exists()  # checked before anything is written
+    # without a history there is no trend page and no nav entry
+    build_report(db, tmp_path / "s3")
+    assert not (tmp_path / "s3" / "trend.html").exists() and "trend.html" not in (tmp_path / "s3" / "index.html").read_text()
+
+
+def test_night_report_shows_every_configuration(tmp_path: Path) -> None:
+    db, out = tmp_path / "merged.db", tmp_path / "site"
+    high = {"ops": "full", "precision": "highest"}
+    with ResultStore(db) as st:
+        for n, settings in enumerate((S, high)):
+            rid = st.begin_run(RunInfo("smoke", "sim", settings, run_id=f"r{n}", started_at=f"2026-01-01T0{n}:00:00Z"))
+            for m in ("tiny/a", "tiny/b"):
+                st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings=settings,
+                                    outcome="pass" if n else "drift"))
+            st.finish_run(rid)
+    assert cli_main(["report", "--db", str(db), "--out", str(out), "--night"]) == 0
+    data = json.loads(re.search(r'id="matrix-data">(.*?)</script>', (out / "matrix.html").read_text(), re.S).group(1))
+    assert data["configs"] == ["sim ops=full precision=highest", "sim ops=young"]
+    assert [r["outcomes"] for r in data["rows"]] == [["pass", "drift"], ["pass", "drift"]]
+    model = (out / "models" / f"{safe_name('tiny/a')}.html").read_text()
+    assert "sim ops=full precision=highest" in model and "sim ops=young" in model
+    build_report(db, out)  # without --night: the latest run only, and models/ is rebuilt whole
+    data = json.loads(re.search(r'id="matrix-data">(.*?)</script>', (out / "matrix.html").read_text(), re.S).group(1))
+    assert data["configs"] == ["sim ops=full precision=highest"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".models")) == []
+
+
+def test_model_pages_written_by_forked_workers_match_a_serial_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_synthetic_db
+) -> None:
+    import harness.report.build as build
+
+    assert build._page_workers(10) == 1  # a small site: no fork
+    db = tmp_path / "p.db"
+    write_synthetic_db(db, 30, runs=2, collectives=False)
+    monkeypatch.setattr(build, "_page_workers", lambda n: 1)
+    build_report(db, tmp_path / "serial")
+    monkeypatch.setattr(build, "_page_workers", lambda n: 3)
+    build_report(db, tmp_path / "forked")
+
+    def pages(site: Path) -> dict[str, str]:  # the footer's build time differs, nothing else may
+        return {p.name: re.sub(r"generated \S+", "", p.read_text()) for p in (site / "models").glob("*.html")}
+
+    serial, forked = pages(tmp_path / "serial"), pages(tmp_path / "forked")
+    assert len(serial) == 30 and serial == forked
+
+    def broken(r):  # a page that cannot be rendered, in whichever process gets it
+        raise ValueError(f"cannot render {r['model_id']}")
+
+    monkeypatch.setattr(build, "row_view", broken)
+    with pytest.raises((RuntimeError, ValueError)):
+        build_report(db, tmp_path / "forked")

@@ -275,3 +275,34 @@ def test_injected_markup_stays_text(driver: webdriver.Chrome, synthetic_db: Path
     assert driver.find_element(By.CSS_SELECTOR, "pre.error").text.strip() == row.error_message.strip()
     with pytest.raises(NoAlertPresentException):
         driver.switch_to.alert  # noqa: B018  (an executed alert() would be pending here)
+
+
+@pytest.fixture(scope="module")
+def trend_site(tmp_path_factory: pytest.TempPathFactory, write_synthetic_db) -> Path:
+    """A site whose history holds three nights of two configurations."""
+    from test_report import three_night_history
+
+    out = tmp_path_factory.mktemp("browser-trend")
+    db = out / "nights.db"
+    write_synthetic_db(db, 40, runs=3, seed=11, collectives=False)
+    build_report(db, out / "site", history=three_night_history(db, out / "history.jsonl"))
+    return out / "site"
+
+
+def test_trend_page_draws_three_nights_per_setting(driver: webdriver.Chrome, trend_site: Path, artifacts: Path) -> None:
+    assert not _open(driver, trend_site / "trend.html")
+    charts = driver.find_elements(By.CSS_SELECTOR, "section.trend svg.trend")
+    assert len(charts) == 2
+    for chart in charts:
+        for cls in ("pass", "ran", "matched"):
+            points = chart.find_elements(By.CSS_SELECTOR, f"circle.point.{cls}")
+            assert len(points) == 3
+            assert all(p.is_displayed() and p.size["width"] > 0 for p in points)
+        assert chart.size["width"] > 300 and chart.size["height"] > 150
+    rows = driver.find_elements(By.CSS_SELECTOR, "section.trend tbody tr")
+    assert len(rows) == 6
+    assert driver.find_elements(By.CSS_SELECTOR, "ul.changes li.appeared")
+    nav = driver.find_element(By.CSS_SELECTOR, "header.top nav a.active")
+    assert nav.text == "Trend"
+    driver.save_screenshot(str(artifacts / "report-trend.png"))
+    assert (artifacts / "report-trend.png").stat().st_size > 10_000

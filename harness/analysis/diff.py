@@ -24,7 +24,8 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analysis.matrix import with_config
+from harness.analysis.fingerprint import group_key, is_failure, key_label
+from harness.analysis.matrix import column_records, with_config
 from harness.outcomes import NOT_THE_MODELS, severity
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
@@ -44,6 +45,7 @@ class Change:
     head_rmse_ratio: float | None = None
     direction: str = ""  # worse / better / same
     detail: str = ""  # head error type/op/message, for the summary line
+    group: str = ""  # the head row's failure fingerprint (harness.analysis.fingerprint), if it failed
 
 
 @dataclass
@@ -71,11 +73,23 @@ class DiffResult:
         worse = [c for c in self.outcome_changes if c.direction == "worse"]
         return [*self.new_failures, *worse, *self.drift_grew]
 
+    def regression_groups(self) -> list[tuple[str, list[Change]]]:
+        """Regressions grouped by the head row's failure fingerprint, biggest group first: 157 models
+        newly failing on one missing op read as one line."""
+        groups: dict[str, list[Change]] = {}
+        for c in self.regressions:
+            groups.setdefault(c.group or f"{c.head_outcome or '-'} (drift grew)", []).append(c)
+        return sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (``--json`` and the report's diff page)."""
         out = dataclasses.asdict(self)
         out["regressions"] = [dataclasses.asdict(c) for c in self.regressions]
         out["n_regressions"] = len(self.regressions)
+        out["regression_groups"] = [
+            {"group": g, "count": len(items), "models": sorted({c.model_id for c in items})}
+            for g, items in self.regression_groups()
+        ]
         return _finite(out)
 
 
@@ -130,14 +144,27 @@ def _detail(row: dict[str, Any] | None) -> str:
     return "; ".join(p for p in parts if p)
 
 
+def _group(row: dict[str, Any] | None) -> str:
+    if row is None or not is_failure(str(row.get("outcome") or "")):
+        return ""
+    return key_label(group_key(row))
+
+
+_COLUMNS = ("model_id", "config", "outcome", "rmse_ratio", "unsupported_op", "error_type", "error_message",
+            "first_drift_module_type")
+
+
 def _index(df: pd.DataFrame) -> dict[tuple[str, str], dict[str, Any]]:
-    """(model, config) -> row; with several runs in ``df`` the latest run's row wins."""
+    """(model, config) -> row; with several runs in ``df`` the latest run's row wins.
+
+    Only the columns the diff reads are kept: a night's frame carries metrics and tracebacks that
+    would make this the slowest step of the report."""
     df = with_config(df)
     if df.empty:
         return {}
     if "run_started_at" in df.columns:
         df = df.sort_values("run_started_at", kind="stable")
-    return {(r["model_id"], r["config"]): r for r in df.to_dict("records")}
+    return {(r["model_id"], r["config"]): r for r in column_records(df, _COLUMNS)}
 
 
 def diff_runs(
@@ -167,6 +194,7 @@ def diff_runs(
             base_rmse_ratio=None if b is None else _ratio(b.get("rmse_ratio")),
             head_rmse_ratio=None if h is None else _ratio(h.get("rmse_ratio")),
             detail=_detail(h if h is not None else b),
+            group=_group(h),
         )
         if b is None:
             res.added.append(ch)
@@ -241,8 +269,12 @@ def resolve_runs(
     head: str | None = None,
     base_db: str | None = None,
     head_db: str | None = None,
+    night: bool = False,
 ) -> tuple[tuple[str, pd.DataFrame], tuple[str, pd.DataFrame]]:
-    """Load (run id, results) for base and head from one DB (latest two comparable) or two DBs."""
+    """Load (run id, results) for base and head from one DB (latest two comparable) or two DBs.
+
+    With ``night`` and two DBs, each side is the latest run of every configuration in its DB (merged
+    nightly DBs holding several settings); changes are matched per (model, configuration)."""
     head_path = head_db or db
     base_path = base_db or head_path
     if head_path is None:
@@ -250,6 +282,8 @@ def resolve_runs(
     for p in {head_path, base_path}:
         if not Path(p).exists():
             raise StoreError(f"{p} does not exist")
+    if night and base is None and head is None and Path(base_path).resolve() != Path(head_path).resolve():
+        return _night(base_path), _night(head_path)
     with ResultStore(head_path, read_only=True) as hs:
         head_id = head or hs.latest_run(has_results=True)
         if head_id is None:
@@ -290,6 +324,17 @@ def _identity(store: ResultStore, run_id: str) -> tuple[str, str, str]:
     return str(r.list_name), str(r.target), str(r.settings_json)
 
 
+def _night(path: str | os.PathLike) -> tuple[str, pd.DataFrame]:
+    """("run1+run2", their results): the latest run of each configuration in the DB at ``path``."""
+    from harness.analysis.nights import night_runs  # nights -> baseline -> fingerprint: imported when needed
+
+    with ResultStore(path, read_only=True) as st:
+        ids = [r["run_id"] for r in night_runs(st)]
+        if not ids:
+            raise StoreError(f"{path} contains no model results")
+        return "+".join(ids), pd.concat([st.results(r) for r in ids], ignore_index=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------
@@ -323,6 +368,12 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
         if len(items) > limit:
             lines.append(f"  ... and {len(items) - limit} more")
 
+    groups = res.regression_groups()
+    if groups:
+        lines.append(f"\nREGRESSIONS by group ({len(groups)}):")
+        for g, items in groups[:limit]:
+            lines.append(f"  {len(items):>4} x {g}")
+            lines.append(f"         {', '.join(c.model_id for c in items[:5])}{' ...' if len(items) > 5 else ''}")
     section("NEW FAILURES", res.new_failures)
     section("WORSE", [c for c in res.outcome_changes if c.direction == "worse"])
     section(f"DRIFT GREW > {res.drift_factor:g}x", res.drift_grew, ratios=True)

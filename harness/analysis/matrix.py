@@ -51,8 +51,27 @@ def with_config(df: pd.DataFrame) -> pd.DataFrame:
     if out.empty:
         out["config"] = pd.Series(dtype=object)
         return out
-    out["config"] = [settings_label(t, s) for t, s in zip(out["target"], out["settings"], strict=True)]
+    if "settings_json" not in out.columns:
+        out["config"] = [settings_label(t, s) for t, s in zip(out["target"], out["settings"], strict=True)]
+        return out
+    # A night has thousands of rows and a handful of configurations: label each configuration once.
+    labels: dict[tuple[str, str], str] = {}
+    config = []
+    for t, key, s in zip(out["target"].tolist(), out["settings_json"].tolist(), out["settings"].tolist(), strict=True):
+        label = labels.get((t, key))
+        if label is None:
+            label = labels[(t, key)] = settings_label(t, s)
+        config.append(label)
+    out["config"] = config
     return out
+
+
+def column_records(df: pd.DataFrame, columns: tuple[str, ...] | list[str]) -> list[dict[str, Any]]:
+    """Rows of ``df`` as dicts holding only ``columns`` (those it has). A night's frame carries metrics,
+    attempts and tracebacks; ``to_dict("records")`` on all of it is the slow part of most readers."""
+    cols = [c for c in columns if c in df.columns]
+    # tolist() converts each column in one go; iterating a Series boxes every element on its own
+    return [dict(zip(cols, values, strict=True)) for values in zip(*(df[c].tolist() for c in cols), strict=True)]
 
 
 def latest_per_key(df: pd.DataFrame) -> pd.DataFrame:
@@ -235,7 +254,8 @@ def op_support(df: pd.DataFrame) -> pd.DataFrame:
     fell: dict[str, set[str]] = {}
     calls: dict[str, int] = {}
     blocked: dict[str, set[str]] = {}
-    for rec in df.to_dict("records") if not df.empty else []:
+    cols = ("model_id", "native_ops", "fallback_ops", "outcome", "unsupported_op")
+    for rec in column_records(df, cols) if not df.empty else []:
         model = rec["model_id"]
         for op in rec.get("native_ops") or []:
             native.setdefault(op, set()).add(model)

@@ -8,7 +8,7 @@ every template autoescapes, embedded JSON goes through ``|tojson`` and the JS on
 - ``build.py``: :func:`build_report` reads the run from the store, prepares the output directory and
   renders each page; ``main_report`` is the CLI entry point.
 - ``views.py``: pure functions shaping dataframes into what each page's template needs.
-- ``svg.py``: the inline SVG charts (drift histogram, ratio bars, outcome bar).
+- ``svg.py``: the inline SVG charts (drift histogram, ratio bars, outcome bar, trend lines).
 - ``templates/`` (Jinja2) and ``assets/`` (CSS, JS) ship as package data.
 """
 

@@ -220,3 +220,73 @@ def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 2
         x += w
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+_MAX_X_LABELS = 8
+
+
+def svg_lines(
+    labels: Sequence[str],
+    series: Sequence[tuple[str, str, Sequence[float | None]]],
+    *,
+    width: int = 720,
+    height: int = 250,
+    y_max: float = 100.0,
+    unit: str = "%",
+) -> Markup:
+    """Line chart of a few series over the same x points (nights), e.g. pass / ran / matched %.
+
+    ``series`` is (name, css class, one value per label; None = no value that night: the line breaks
+    there). Every point is a ``circle.point.<class>`` with a tooltip, so one night still shows.
+    """
+    n = len(labels)
+    if not n or not any(v is not None for _, _, values in series for v in values):
+        return Markup('<p class="empty">no points to plot</p>')
+    ml, mr, mt, mb = 44, 16, 30, 46
+    pw, ph = width - ml - mr, height - mt - mb
+
+    def xpos(i: int) -> float:
+        return ml + (pw / 2 if n == 1 else i / (n - 1) * pw)
+
+    def ypos(v: float) -> float:
+        return mt + ph - max(0.0, min(v, y_max)) / y_max * ph
+
+    parts = [
+        f'<svg class="trend" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="{html.escape(", ".join(s[0] for s in series))} per night">'
+    ]
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = ypos(frac * y_max)
+        parts.append(f'<line class="grid" x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">{frac * y_max:g}{unit}</text>')
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
+    stride = max(1, math.ceil(n / _MAX_X_LABELS))
+    for i, label in enumerate(labels):
+        x = xpos(i)
+        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 4}"/>')
+        if i % stride == 0 or i == n - 1:
+            half = _label_px(str(label)) / 2  # the first and last labels stay inside the picture
+            tx = min(max(x, half), width - half)
+            parts.append(f'<text class="label" x="{tx:.1f}" y="{mt + ph + 18}" text-anchor="middle">'
+                         f"{html.escape(str(label))}</text>")
+    lx = ml
+    for name, cls, values in series:
+        cls = html.escape(cls)
+        # Legend: a short line and the name, left to right above the plot.
+        parts.append(f'<line class="line {cls}" x1="{lx}" y1="12" x2="{lx + 18}" y2="12"/>'
+                     f'<text class="label" x="{lx + 22}" y="16">{html.escape(name)}</text>')
+        lx += 40 + _label_px(name)
+        run: list[str] = []
+        for i, v in enumerate(list(values) + [None]):  # the trailing None flushes the last segment
+            if v is None:
+                if len(run) > 1:
+                    parts.append(f'<polyline class="line {cls}" points="{" ".join(run)}"/>')
+                run = []
+                continue
+            run.append(f"{xpos(i):.1f},{ypos(v):.1f}")
+        for i, v in enumerate(values):
+            if v is not None:
+                parts.append(f'<circle class="point {cls}" cx="{xpos(i):.1f}" cy="{ypos(v):.1f}" r="3.5">'
+                             f"<title>{html.escape(name)} {html.escape(str(labels[i]))}: {v:.1f}{unit}</title></circle>")
+    parts.append("</svg>")
+    return Markup("".join(parts))

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.diff import DiffResult
-from harness.analysis.matrix import outcome_counts, pass_rates, settings_label, with_config
+from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
@@ -282,8 +282,9 @@ def history_view(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     if hist.empty:
         return out
-    hist = with_config(hist)
-    for r in hist.to_dict("records"):
+    cols = ("run_id", "model_id", "run_started_at", "list_name", "config", "outcome", "rmse_ratio", "unsupported_op",
+            "error_type")
+    for r in column_records(with_config(hist), cols):
         out.setdefault(r["model_id"], []).append(
             {
                 "run_id": r["run_id"],
@@ -310,10 +311,15 @@ def _fallback_text(ops: Any) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+# Every column matrix_data reads (only these are turned into dicts: a night's frame is large).
+_MATRIX_COLUMNS = ("model_id", "config", "arch", "task", "modality", "outcome", "fallback_ops", "rmse_ratio",
+                   "wall_time_s", "unsupported_op", "error_type")
+
+
 def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> dict[str, Any]:
     """Compact JSON for the matrix page: one entry per model, one outcome per config column."""
     grouped: dict[str, dict[str, dict[str, Any]]] = {}
-    for rec in records(df):
+    for rec in column_records(df, _MATRIX_COLUMNS) if not df.empty else []:
         grouped.setdefault(rec["model_id"], {})[rec["config"]] = rec
     rows = []
     for model in sorted(grouped):

@@ -12,7 +12,10 @@ The rules, each a function here so it is unit-testable with made-up devices and 
 - a device fault is never the model's result: the model goes to another healthy device (outside the
   retry budget); with none left its `device_error` row waits for a resume (`Settled.pending`);
 - a model that failed and then passed elsewhere is `flaky`, unless every device it failed on has been
-  quarantined: then its clean result stands, also when the quarantine comes later (`Quarantined.relabel`).
+  quarantined: then its clean result stands, also when the quarantine comes later (`Quarantined.relabel`);
+- with `--rerun-flaky N`, a model whose attempts disagreed is sampled N more times after the run and is
+  `flaky` only if the samples really flip between a matched and a failing outcome (`needs_rerun`,
+  `rerun_verdict`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from harness.outcomes import RETRYABLE
+from harness.outcomes import DEVICE_SIDE, MATCHED, RETRYABLE, severity
 from harness.results.rows import Attempt, Measurement
 
 POOL_START_GRACE_S = 60.0
@@ -206,3 +209,39 @@ def release(fleet: Fleet, job: Job) -> None:
     """`job` has its final outcome: it no longer holds any device on probation."""
     for a in job.attempts:
         fleet.probation.get(a.device, set()).discard(job.id)
+
+
+def counted(job: Job) -> list[str]:
+    """The outcomes `job`'s attempts measured, device faults and interruptions left out (those were
+    the device's, not the model's)."""
+    return [a.outcome for a in job.attempts if a.outcome != "interrupted" and not a.device_fault]
+
+
+def needs_rerun(job: Job, outcome: str) -> bool:
+    """Whether a finished job should be sampled again: its attempts disagreed (e.g. a crash, then a
+    pass on retry). A pending device-side row is not a result yet, so it is not sampled."""
+    return len(set(counted(job))) > 1 and outcome not in DEVICE_SIDE
+
+
+def rerun_verdict(first: str, reruns: Sequence[str]) -> str:
+    """The outcome of a model whose attempts disagreed, from its first verdict's measured outcome
+    (`first`: the attempt the run settled on) and the outcomes of N reruns.
+
+    The earlier disagreement is what made it suspect; the reruns decide:
+
+    * every rerun agrees with `first` -> `first` (stable; the odd attempt was a one-off);
+    * the samples (`first` and the reruns) hold both a matched and a failing outcome -> `flaky`
+      (it really flips: sometimes it passes, sometimes not);
+    * they only flip among failures (or only among matched outcomes) -> the most common sample, ties
+      to the worse one: never `flaky`, which counts as matched.
+    """
+    if not reruns:
+        return first
+    samples = [first, *reruns]
+    if all(r == first for r in reruns):
+        return first
+    matched = sum(1 for s in samples if s in MATCHED)
+    if 0 < matched < len(samples):
+        return "flaky"
+    counts = Counter(samples)
+    return max(counts, key=lambda o: (counts[o], severity(o)))

@@ -51,6 +51,7 @@ class RunConfig:
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
     progress: bool = True
     fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
+    rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
 
 
     def validate(self) -> None:
@@ -64,6 +65,7 @@ class RunConfig:
             (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
             (self.mem_cap_mb is None or self.mem_cap_mb >= 0, f"--mem-cap-mb {self.mem_cap_mb}: must be >= 0 (0: no cap)"),
             (self.startup_timeout_s > 0, f"startup timeout {self.startup_timeout_s}: must be > 0"),
+            (self.rerun_flaky >= 0, f"--rerun-flaky {self.rerun_flaky}: must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -84,6 +86,7 @@ class RunSummary:
     unfinished: int = 0
     resumed_run: str | None = None  # the unfinished run this one continued
     with_fallback: dict[str, int] = field(default_factory=dict)  # outcome -> rows that used CPU fallback
+    reruns: dict[str, int] = field(default_factory=dict)  # --rerun-flaky: models re-run, found flaky, stable
 
     @property
     def rows_written(self) -> int:
@@ -196,6 +199,12 @@ class _Run:
             load_timeout_s=config.load_timeout_s,
         )
         self.startup_failures = 0
+        self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
+        self.samples: dict[policy.Job, str] = {}  # --rerun-flaky sample job -> the model it samples
+        self.sampled: dict[str, list[tuple[policy.Job, Measurement]]] = {}  # model -> its finished samples
+        self.samples_left: Counter[str] = Counter()
+        self.rerun_from: dict[str, int] = {}  # model -> index of its first rerun attempt (rows mark them)
+        self.rerun_stats: Counter[str] = Counter()
         self.pending = 0  # rows recorded as device_error: re-run on resume
         self.assigning = False
         self.t_start = time.monotonic()
@@ -221,15 +230,18 @@ class _Run:
 
     def _write(self, job: policy.Job, m: Measurement, outcome: str) -> None:
         e = self.entries[job.id]
+        first_rerun = self.rerun_from.get(job.id, len(job.attempts))
         self.store.record(
             ResultRow.from_measurement(
                 m, model_id=e.id, run_id=self.run_id, target=self.cfg.target, settings=dict(self.cfg.settings),
                 outcome=outcome, arch=e.arch, task=e.task, modality=e.modality,
-                attempts=[asdict(a) for a in job.attempts],
+                attempts=[{**asdict(a), **({"rerun": True} if i >= first_rerun else {})}
+                          for i, a in enumerate(job.attempts)],
             )
         )
 
     def _finish(self, job: policy.Job, m: Measurement, outcome: str) -> None:
+        self.finished[job.id] = (job, m, outcome)
         self._write(job, m, outcome)
         self.counts[outcome] += 1
         if m.fallback_ops:
@@ -254,6 +266,9 @@ class _Run:
         # Models that looked flaky only because this device was bad: their result elsewhere stands.
         for job in q.relabel:
             assert job.last is not None
+            if job in self.samples or job.id not in self.finished:
+                continue  # a --rerun-flaky sample is not a row: its attempts count when the model concludes
+            self.finished[job.id] = (job, job.last, job.last.outcome)
             self._write(job, job.last, job.last.outcome)
             self.counts["flaky"] -= 1
             self.counts[job.last.outcome] += 1
@@ -267,12 +282,65 @@ class _Run:
         verdict = policy.settle(self.fleet, job, m, w.key, time.monotonic() - w.started)
         if verdict.retry:
             self.queue.appendleft(job)
+        elif job in self.samples:
+            self._sampled(job, m)
         else:
             self._finish(job, m, verdict.outcome)
             if verdict.pending:
                 self.pending += 1
         for q in verdict.quarantined:
             self._quarantine(q)
+
+    # -- --rerun-flaky ---------------------------------------------------------------------------
+
+    def _queue_reruns(self) -> int:
+        """Queue `rerun_flaky` samples of every model whose attempts disagreed; returns how many models."""
+        n = self.cfg.rerun_flaky
+        models = [mid for mid, (job, _, outcome) in self.finished.items() if policy.needs_rerun(job, outcome)]
+        for mid in models:
+            self.samples_left[mid] = n
+            self.sampled[mid] = []
+            for _ in range(n):
+                sample = policy.Job(mid)
+                self.samples[sample] = mid
+                self.queue.append(sample)
+        if models:
+            self.progress.total += len(models) * n
+            self.progress.write(f"portharness: re-running {len(models)} model(s) whose attempts disagreed, "
+                                f"{n} time(s) each", file=sys.stderr)
+        return len(models)
+
+    def _sampled(self, sample: policy.Job, m: Measurement) -> None:
+        mid = self.samples.pop(sample)
+        self.sampled[mid].append((sample, m))
+        self.samples_left[mid] -= 1
+        self.progress.update(1)
+        if self.samples_left[mid] == 0:
+            self._conclude(mid)
+
+    def _conclude(self, mid: str) -> None:
+        """Every sample of `mid` is in: rewrite its row with the rerun verdict and all its attempts."""
+        job, m, recorded = self.finished[mid]
+        samples = self.sampled.pop(mid, [])
+        self.samples_left.pop(mid, None)
+        first = policy.counted(job)[-1]
+        reruns = [o for s, _ in samples for o in policy.counted(s)]
+        outcome = policy.rerun_verdict(first, reruns)
+        # The row's measurement is one that gave the verdict's outcome (the run's own, if it did).
+        final = m if outcome in (first, "flaky") else next((sm for _, sm in samples if sm.outcome == outcome), m)
+        self.rerun_from[mid] = len(job.attempts)
+        for s, _ in samples:
+            job.attempts.extend(s.attempts)
+        self.finished[mid] = (job, final, outcome)
+        self._write(job, final, outcome)
+        self.counts[recorded] -= 1
+        self.counts[outcome] += 1
+        if m.fallback_ops:
+            self.with_fallback[recorded] -= 1
+        if final.fallback_ops:
+            self.with_fallback[outcome] += 1
+        self.rerun_stats["models"] += 1
+        self.rerun_stats["flaky" if outcome == "flaky" else "stable"] += 1
 
     # -- main loop ---------------------------------------------------------------------------
 
@@ -322,19 +390,29 @@ class _Run:
             self._settle(w, _death(w, self.cfg))
         self._replace(w)
 
+    def _drain(self) -> None:
+        while (self.queue and self.fleet.active) or any(w.busy for w in self.pool.workers):
+            self._assign()
+            for ev in self.pool.poll():
+                if ev.worker in self.pool.workers or ev.kind != "died":
+                    self._on(ev)
+
     def run(self) -> RunSummary:
         t0 = time.monotonic()
         try:
             for _ in range(min(self.cfg.jobs, max(1, len(self.queue)))):
                 self._spawn()
-            while (self.queue and self.fleet.active) or any(w.busy for w in self.pool.workers):
-                self._assign()
-                for ev in self.pool.poll():
-                    if ev.worker in self.pool.workers or ev.kind != "died":
-                        self._on(ev)
+            self._drain()
+            if self.cfg.rerun_flaky > 0 and self.fleet.active and self._queue_reruns():
+                while len(self.pool.workers) < min(self.cfg.jobs, len(self.queue)):
+                    self._spawn()
+                self._drain()
+            for mid in list(self.sampled):  # no healthy device left for every sample: decide on those done
+                self._conclude(mid)
         finally:
             self.pool.close()
             self.progress.close()
+        self.queue = deque(j for j in self.queue if j not in self.samples)
         unfinished = len(self.queue) + self.pending
         if unfinished == 0:
             self.store.finish_run(self.run_id)
@@ -350,5 +428,6 @@ class _Run:
             spares_used=list(self.fleet.spares_used),
             unfinished=unfinished,
             resumed_run=self.resumed_run,
-            with_fallback=dict(self.with_fallback),
+            with_fallback={k: v for k, v in self.with_fallback.items() if v},
+            reruns=dict(self.rerun_stats),
         )
