@@ -26,10 +26,9 @@ from harness.analysis.matrix import op_coverage, op_support, outcome_counts, wit
 from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
 from harness.outcomes import COLOURS, OUTCOMES
+from harness.report.collectives import collective_faults_view, collectives_view
 from harness.report.nightly import groups_view, regression_groups_view, trend_view
 from harness.report.views import (
-    collective_faults_view,
-    collectives_view,
     diff_view,
     drift_view,
     fmt,

@@ -197,7 +197,7 @@ def register() -> None:
     _lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _lib.impl("linear", _fast_composite(aten.linear.default, torch._C._nn.linear), "AutogradPrivateUse1")
     _lib.impl("matmul", _fast_composite(aten.matmul.default, torch.matmul), "AutogradPrivateUse1")
-    importlib.import_module(".moves", __package__).register()
+    importlib.import_module(".moves", __package__).register(_tensor.SimTensor, _tensor.to_sim)
     importlib.import_module(".autocast", __package__).register()
 
 

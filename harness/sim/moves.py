@@ -23,19 +23,22 @@ from __future__ import annotations
 import copy
 import importlib
 import weakref
+from collections.abc import Callable
 
 import torch
 
 _memory = importlib.import_module(".memory", __package__)
 _precision = importlib.import_module(".precision", __package__)
-_tensor = importlib.import_module(".tensor", __package__)
+# tensor.py calls into this module, so what this one needs of it is handed over: the wrapper class
+# (by `register`) and its constructor (by `deepcopy`'s caller).
+_sim_cls: type | None = None
 
 _OWN_ATTRS = ("_inner", "_idx", "_is_param")
 _lib = torch.library.Library("aten", "IMPL")
 
 
-def deepcopy(t: torch.Tensor, memo: dict) -> torch.Tensor:
-    """`SimTensor.__deepcopy__`."""
+def deepcopy(t: torch.Tensor, memo: dict, new_sim: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """`SimTensor.__deepcopy__`; `new_sim(host, idx)` wraps host memory as a sim tensor."""
     if id(t) in memo:
         return memo[id(t)]
     if not t.is_leaf:
@@ -45,7 +48,7 @@ def deepcopy(t: torch.Tensor, memo: dict) -> torch.Tensor:
     with torch.no_grad():
         inner = copy.deepcopy(t._inner, memo)  # the memo keeps views of one host storage sharing a copy
         _memory.claim(inner, t._idx)
-        new = _tensor._new(inner, t._idx)
+        new = new_sim(inner, t._idx)
         if t.requires_grad:
             new.requires_grad_()
         if t.grad is not None:
@@ -86,7 +89,7 @@ def _shallow_copy_compatible(a: torch.Tensor, b: torch.Tensor) -> bool:
     # as before. host -> sim: no: `param.data = sim_tensor` cannot turn a host Parameter into a wrapper
     # subclass; _apply swaps those instead.
     global _call_refs
-    sim = _tensor.SimTensor
+    sim = _sim_cls
     if type(a) is not sim:
         return False
     if _call_refs is None:  # the calibration call from register(): `a` has no other holder
@@ -97,8 +100,10 @@ def _shallow_copy_compatible(a: torch.Tensor, b: torch.Tensor) -> bool:
     return b.device.type == "cpu" and type(b) in (torch.Tensor, torch.nn.Parameter) and _free_to_swap(a)
 
 
-def register() -> None:
+def register(sim_cls: type, to_sim: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    global _sim_cls
+    _sim_cls = sim_cls
     # At the autograd key: it outranks the Python key, so no SimTensor dispatch (and no op profile)
     # is involved, and the hot path does not pay for this rarely called op.
     _lib.impl("_has_compatible_shallow_copy_type", _shallow_copy_compatible, "AutogradPrivateUse1")
-    torch._has_compatible_shallow_copy_type(_tensor.to_sim(torch.zeros(0), 0), torch.zeros(0))
+    torch._has_compatible_shallow_copy_type(to_sim(torch.zeros(0), 0), torch.zeros(0))

@@ -84,7 +84,7 @@ class SimTensor(torch.Tensor):
                                                    self.stride(), self.requires_grad, hooks))
 
     def __deepcopy__(self, memo: dict) -> SimTensor:
-        return _moves.deepcopy(self, memo)
+        return _moves.deepcopy(self, memo, _new)
 
     def __format__(self, spec: str) -> str:
         # torch formats 0-dim tensors as their value only for exact `Tensor`s (f"expert_{idx}").

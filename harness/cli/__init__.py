@@ -1,0 +1,62 @@
+"""`portharness` command line. Options live in `options.py` (each once); each command calls a stage's API.
+
+One exit-code policy for all commands: 0 = success (for `check`: the model passed, within fp32 or the
+declared precision), 1 = the check, diff or run found a problem, 2 = bad input (one line on stderr,
+nothing written), 130 = Ctrl-C, 143 = SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+from harness.cli.collectives import collectives_config
+from harness.cli.options import build_parser
+
+__all__ = ["build_parser", "collectives_config", "main"]
+
+
+def _is_input_error(e: Exception) -> bool:
+    """Bad input the user can fix (list, id, DB, settings, file, hub): a message, not a traceback.
+
+    Classes are looked up only once something failed: `report` or `diff` shouldn't pay for importing
+    torch (via harness.models.load) at start-up."""
+    from harness.models.model_list import ModelListError, UnknownModelError
+    from harness.results.dbfile import StoreError
+
+    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError | FileNotFoundError):
+        return True
+    load = sys.modules.get("harness.models.load")
+    return load is not None and isinstance(e, load.LoadError)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: every `finally` runs (workers are stopped), then exit 143."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt as e:
+        name = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"portharness: {name}; finished rows are saved (use --resume)", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except Exception as e:
+        startup = sys.modules.get("harness.run.runner")
+        if startup is not None and isinstance(e, startup.WorkerStartupError):
+            print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+            return 1
+        if not _is_input_error(e):
+            raise
+        print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+

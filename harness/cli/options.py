@@ -1,0 +1,223 @@
+"""Every `portharness` option, defined once: the parser and its subcommands (each names its `cmd_*`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.cli.collectives import cmd_collectives
+from harness.cli.results import (
+    cmd_baseline,
+    cmd_diff,
+    cmd_groups,
+    cmd_matrix,
+    cmd_merge,
+    cmd_report,
+    cmd_trend,
+)
+from harness.cli.runs import cmd_check, cmd_run, cmd_zoo
+from harness.models.heads import HEADS
+
+DEFAULT_DB = "results/portharness.db"
+
+
+def _target_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="sim", help="device to test: sim, sim:1, cuda, xpu, cpu, ... (default sim)")
+    p.add_argument(
+        "--precision",
+        default="default",
+        help="sim: default (bf16 matmul inputs) or highest; other targets: torch float32 matmul precision",
+    )
+    p.add_argument("--ops", default=None, help="sim op profile: young (default), full, or a profile file")
+    p.add_argument("--attn", default=None, choices=["eager", "sdpa", "flex_attention"],
+                   help="force an attention implementation (flex_attention reproduces the classic coverage gap)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per model after loading before its worker is killed")
+    p.add_argument("--load-timeout", type=float, default=900.0,
+                   help="seconds a model may take to load (its own budget: real checkpoints load slowly)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "auto"],
+                   help="load weights as fp32 (default: the reference is fp32), bf16, fp16, or auto "
+                        "(the checkpoint's torch_dtype)")
+    p.add_argument("--oracle-max-params", type=int, default=None, metavar="N",
+                   help="largest model judged against an fp64 oracle (beyond: the cosine/allclose fallback)")
+    p.add_argument("--mem-cap-mb", type=int, default=8192, help="extra memory a worker may take (0 = no cap)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault", default=None,
+                   help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)")
+    p.add_argument("--no-localize", action="store_true", help="skip the per-module drift localization")
+    p.add_argument("--declared-precision", default=None, metavar="CONTRACT",
+                   help="numerics contract the target declares: fp32 (default for other backends), tf32, bf16-matmul, "
+                        "fp16-matmul; sim declares bf16-matmul at --precision default, fp32 at highest")
+    p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
+                   help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
+                        "grad-scale; comma-separated) to see the verdict catch them")
+    p.add_argument("--op-check", default="auto", choices=["auto", "all", "sampled", "off"],
+                   help="kernel-conformance check (each op judged on its own inputs against the CPU): every call "
+                        "(all), the first calls of each op signature (sampled), or none; auto = all up to 50M "
+                        "parameters, sampled above")
+    p.add_argument("--no-op-check", dest="op_check", action="store_const", const="off", help="same as --op-check off")
+    p.add_argument("--fallback", default=None, choices=["off", "cpu"],
+                   help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
+    _backend_option(p)
+
+
+def _backend_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", default=[], metavar="MODULE",
+                   help="import MODULE to register the target's backend (repeatable; also PORTHARNESS_BACKENDS="
+                        "mod1,mod2); entry-point backends load by themselves")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="portharness",
+               description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared")
+    p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
+    _target_options(p)
+    p.add_argument("--task", default=None, choices=sorted(HEADS), metavar="TASK",
+                   help="head to load a local or hub checkpoint with (default: the one it was saved with, from "
+                        "its config's architectures; base for hub ids)")
+    p.add_argument("--json", action="store_true", help="print the full result row as JSON")
+    p.add_argument("--db", default=None, help="also record the row in this result DB")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("run", help="run a model list on a target, recording every outcome")
+    p.add_argument("--list", default="tiny-zoo", help="model list name (model_lists/NAME.csv) or path")
+    _target_options(p)
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes")
+    p.add_argument("--shard", default="1/1", help="run shard i of N (i/N)")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
+    p.add_argument("--resume", action="store_true", help="continue the latest unfinished matching run")
+    p.add_argument("--limit", type=int, default=0, help="only the first N models (after sharding)")
+    p.add_argument("--only", default="", help="comma-separated model ids or architectures to run")
+    p.add_argument("--retries", type=int, default=1, help="retries for crashes/timeouts/device errors")
+    p.add_argument("--rerun-flaky", type=int, default=0, metavar="N",
+                   help="re-run each model whose attempts disagreed N more times; flaky only if it really flips")
+    p.add_argument("--spare", type=int, default=0, help="devices kept idle as hot spares")
+    p.add_argument("--quarantine-after", type=int, default=2, help="device strikes before quarantine")
+    p.add_argument("--report", default=None, help="build the HTML report into this directory afterwards")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix and pass rates")
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--run", default=None, help="run id (default: latest)")
+    p.add_argument("--by", choices=["arch", "task", "modality"], default=None, help="also print pass rates by this")
+    p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
+    p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
+    p.add_argument("--out", default=None, help="export the matrix (.csv, .json, .parquet)")
+    p.set_defaults(func=cmd_matrix)
+
+    p = sub.add_parser("diff", help="compare two runs; exit 1 on regressions (CI gate)")
+    p.add_argument("--db", default=None, help="DB holding both runs (or the head run with --base-db)")
+    p.add_argument("--base", default=None, help="base run id (default: previous comparable run)")
+    p.add_argument("--head", default=None, help="head run id (default: latest run)")
+    p.add_argument("--base-db", default=None, help="DB of the base run (its latest run)")
+    p.add_argument("--head-db", default=None, help="DB of the head run (its latest run)")
+    p.add_argument("--drift-factor", type=float, default=2.0, help="rmse-ratio growth counted as regression")
+    p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
+    p.add_argument("--night", action="store_true",
+                   help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("report", help="build the static HTML report")
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--out", default="reports/site")
+    p.add_argument("--run", default=None, help="run id (default: latest)")
+    p.add_argument("--base", default=None, help="base run for the diff page")
+    p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
+    p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV (scripts/opinfo_table.py)")
+    p.add_argument("--history", default=None, help="nightly history file (portharness trend append): adds the trend page")
+    p.add_argument("--night", action="store_true",
+                   help="show the latest run of every configuration in the DB (a merged nightly DB with several settings)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("merge", help="merge shard DBs into one")
+    p.add_argument("--out", required=True, help="destination DB (created if missing)")
+    p.add_argument("dbs", nargs="+", help="shard DBs to merge")
+    p.add_argument("--no-combine", action="store_true", help="keep per-shard runs separate")
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser("collectives", help="benchmark collective settings on the target")
+    p.add_argument("--target", default="sim", help="sim, cpu (gloo) or cuda (nccl)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--sizes", default=None, help="comma-separated byte counts, k/m suffixes allowed (default 4k,64k,1m,16m)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settings", default=None, help="comma-separated setting names (fused, skinny[:N], bucket:N, "
+                   "cap:N, per-device, per-host[:k])")
+    p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP training-step benchmark")
+    _backend_option(p)
+    p.add_argument("--db", default=None, help="record rows in this result DB")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds; with --faults: the detection budget (default 10; the collective timeout is half, "
+                   "the stall watchdog a fifth); else the collective timeout (default 300)")
+    g = p.add_argument_group("fault scenarios (one bad rank in a DDP job; exit 1 if one goes undetected or unnamed)")
+    g.add_argument("--faults", default=None,
+                   help="run these scenarios instead of timing settings: comma-separated hang, slow[:F], nan, die, "
+                   "flap[:F], none, or all (default settings: fused)")
+    g.add_argument("--fault-rank", type=int, default=1, help="the bad rank (default 1)")
+    g.add_argument("--fault-step", type=int, default=5, help="the step it goes bad at (default 5)")
+    g.add_argument("--steps", type=int, default=20, help="training steps per scenario (default 20)")
+    g.add_argument("--spare", type=int, default=0, help="hot spare ranks: a die/hang recovers onto one (default 0)")
+    g.add_argument("--straggler-excess", type=float, default=None,
+                   help="straggler bar above the peers' mean (default 0.1 on cuda, 0.5 where ranks share cores)")
+    p.set_defaults(func=cmd_collectives)
+
+    p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "model_lists" / "tiny-zoo.csv"))
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    p.add_argument("--limit", type=int, default=None, help="only the first N candidates (for a quick look)")
+    p.add_argument("--only", default=None, help="comma-separated model types or type/task pairs")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate")
+    p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
+    p.set_defaults(func=cmd_zoo)
+    _nightly_parsers(sub)
+    return ap
+
+
+def _nightly_parsers(sub: Any) -> None:
+    """`baseline`, `trend` and `groups`: what a nightly job gates on and keeps."""
+    p = sub.add_parser("baseline", help="expected outcomes per configuration: write them, check a run against them")
+    p.set_defaults(func=cmd_baseline)
+    b = p.add_subparsers(dest="baseline_command", required=True)
+    p = b.add_parser("update", help="write the expected file(s) from a run")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", help="run id (default: the DB's run, or the one --out is named for)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--out", help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
+    g.add_argument("--out-dir", help="write one conventionally named file per configuration in the DB")
+    p = b.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
+    p.add_argument("--db", required=True)
+    p.add_argument("--run", help="run id (default: the latest run of the file's configuration)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--expected", help="expected file")
+    g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
+    p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
+    p.set_defaults(func=cmd_trend)
+    t = p.add_subparsers(dest="trend_command", required=True)
+    p = t.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
+    p.add_argument("--db", required=True)
+    p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
+    p.add_argument("--date", help="the night's date (default: each run's start date)")
+    p.add_argument("--summary", help="also write the night's headline as a Markdown table here")
+    p = t.add_parser("show", help="print the trend per configuration")
+    p.add_argument("--history", required=True)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("groups", help="failures grouped by fingerprint (outcome, op or module type, error line)")
+    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--run", help="run id (default: latest)")
+    p.add_argument("--limit", type=int, default=30, help="groups to print")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_groups)
+
