@@ -14,6 +14,8 @@ from rich.table import Table
 from harness.outcomes import OUTCOMES, headline
 from harness.results.rows import PHASES
 
+SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
+
 _VERDICT_FIELDS = [
     ("outcome", None),
     ("model", "model_id"),
@@ -26,6 +28,9 @@ _VERDICT_FIELDS = [
     ("first drifting op", None),
     ("repro", "repro_path"),
     ("first drifting module", None),
+    ("first drifting param", "first_drift_param"),
+    ("missing gradients", None),
+    ("train step", None),
     ("contract", "contract"),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
     ("declared ratio (<=1 ok)", "declared_ratio"),
@@ -70,6 +75,14 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
     if label == "first drifting module":
         m = row.get("first_drift_module")
         return f"{m} ({row.get('first_drift_module_type', '')})" if m else None
+    if label == "missing gradients":
+        return ", ".join(row.get("missing_grads") or []) or None
+    if label == "train step":
+        if not row.get("loss_kind"):
+            return None
+        nums = [("worst grad ratio", row.get("grad_worst_ratio")), ("grad norm ratio", row.get("grad_norm_ratio")),
+                ("loss delta", row.get("loss_delta"))]
+        return f"loss {row['loss_kind']}; " + ", ".join(f"{k} {v:.4g}" for k, v in nums if v is not None)
     if label == "judged by":
         parts = [f"{row['oracle']} oracle"] if row.get("oracle") else []
         if row.get("ops_checked") is not None:
@@ -99,12 +112,20 @@ def verdict_lines(row: dict[str, Any]) -> list[str]:
     metrics = row.get("metrics") or {}
     if metrics:
         lines.append("  outputs:")
-        for name, m in metrics.items():
+        shown = metrics
+        if len(metrics) > SHOW_OUTPUTS:  # a training step has three per parameter: the failing and the worst
+            ranked = sorted(metrics, key=lambda k: (bool(metrics[k].get("ok")), -(metrics[k].get("rmse_ratio") or 0)))
+            shown = {k: metrics[k] for k in ranked[:SHOW_OUTPUTS]}
+        for name, m in shown.items():
             ok = "ok  " if m.get("ok") else "FAIL"
             ratio, mabs = m.get("rmse_ratio"), m.get("max_abs")
             ratio_s = "-" if ratio is None else f"{ratio:.3g}"
             mabs_s = "-" if mabs is None else f"{mabs:.3g}"
             lines.append(f"    {ok} {name:<28} rmse_ratio={ratio_s:<9} max_abs={mabs_s} {m.get('note', '')}")
+    if len(shown if metrics else {}) < len(metrics):
+        lines.append(f"    ... {len(metrics) - len(shown)} more, each within its bound (--json lists all)"
+                     if all(m.get("ok") for k, m in metrics.items() if k not in shown)
+                     else f"    ... {len(metrics) - len(shown)} more (--json lists all)")
     if row.get("traceback") and row.get("outcome") not in ("pass", "drift"):
         lines.append("  traceback (trimmed):")
         lines.append("    " + row["traceback"].replace("\n", "\n    "))

@@ -36,7 +36,10 @@ TABLE: tuple[Outcome, ...] = (
     Outcome("crash", 5, "#c62828", "the target run raised or its worker died", retryable=True),
     Outcome("timeout", 4, "#8d6e63", "the model ran past the time budget", retryable=True),
     Outcome("oom", 4, "#5d4037", "out of memory"),
-    Outcome("drift", 2, "#ef6c00", "outputs beyond the comparison rule's bound", ran=True),
+    Outcome("missing_grad", 2, "#d84315", "train mode: a parameter with a gradient on the reference got none on "
+            "the target (named in the row)", ran=True),
+    Outcome("drift", 2, "#ef6c00", "outputs (train mode: loss, gradients, updates) beyond the comparison rule's "
+            "bound", ran=True),
     Outcome("flaky", 1, "#c0a000", "failed, then passed on a retry on a healthy device", ran=True, matched=True),
     Outcome("pass_declared", 0, "#7cb342", "outside the fp32 envelope, within the target's declared precision",
             ran=True, matched=True),

@@ -7,9 +7,10 @@ fp32 rounding (sim's `numerics_hits`: an op called only on integers, or on value
 no-op, does not exercise it), and one run per kind measures, among the models the bug exercises, the
 share that became `drift` and the share of those whose first diverging op is one of the bug's ops --
 and checks that every model the bug does not touch has exactly the clean run's outcome and errors.
-Not a timed test; run by hand:
+With ``--mode train`` the probe and the runs are a training step (forward, loss, backward, optimizers),
+and a column says how many drift rows name a parameter. Not a timed test; run by hand:
 
-    python scripts/numerics_bugs.py [--list smoke] [--precision default] [--ops young] [--jobs 2] [--db out.db]
+    python scripts/numerics_bugs.py [--list smoke] [--precision default] [--ops young] [--mode train] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _ops(kind: str) -> set[str]:
     return names
 
 
-def _exercised(entries, settings: dict, kind: str) -> set[str]:
-    """Models whose target forward the planted bug changes (beyond fp32 rounding), run in this process."""
+def _exercised(entries, settings: dict, kind: str, train: bool) -> set[str]:
+    """Models whose target forward (train: training step) the planted bug changes beyond fp32 rounding,
+    run in this process."""
     import copy
 
     import torch
@@ -43,16 +45,22 @@ def _exercised(entries, settings: dict, kind: str) -> set[str]:
     from harness.backends import adapter_for
     from harness.models.inputs import make_inputs
     from harness.models.load import load_model
+    from harness.run.train import prepare, train_step
 
     adapter, hit = adapter_for("sim"), set()
     for e in entries:
         try:
             loaded = load_model(e, seed=0)
             inputs = make_inputs(loaded.model, loaded.config, e, seed=0)
-            model = copy.deepcopy(loaded.model).to("sim")
+            model = copy.deepcopy(prepare(loaded.model) if train else loaded.model).to("sim")
+            sim_inputs = {k: v.to("sim") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
             sim.reset_numerics_hits()
-            with torch.no_grad(), adapter.apply({**settings, "numerics": kind}):
-                model(**{k: v.to("sim") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+            with adapter.apply({**settings, "numerics": kind}):
+                if train:
+                    train_step(model, sim_inputs, model_loss=False)
+                else:
+                    with torch.no_grad():
+                        model(**sim_inputs)
         except Exception:  # a model the target cannot run at all is not a user of anything
             continue
         finally:
@@ -78,18 +86,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", default="default")
     p.add_argument("--ops", default="young")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--kinds", default="bf16-accumulate,softmax-no-max,approx-exp,gelu-mixup")
+    p.add_argument("--mode", default="inference", choices=["inference", "train"])
+    p.add_argument("--kinds", default=None, help="comma-separated (default: every kind; grad-scale in train mode only)")
     p.add_argument("--db", default=None, help="keep the runs in this DB (default: a temp file)")
     args = p.parse_args(argv)
     entries = load_model_list(args.list)
     db = Path(args.db) if args.db else Path(tempfile.mkdtemp(prefix="numerics-bugs-")) / "runs.db"
-    base_settings = {"precision": args.precision, "ops": args.ops}
+    train = args.mode == "train"
+    base_settings = {"precision": args.precision, "ops": args.ops, **({"mode": "train"} if train else {})}
+    kinds = args.kinds or ",".join(k for k in BUGS if train or k != "grad-scale")
     clean = _run(entries, base_settings, db, args.list, args.jobs)
     print(f"{args.list} on sim {base_settings}: {len(clean)} models -> {db}")
-    print(f"{'bug':<17} {'exercised':>9} {'drift':>13} {'localized':>13} {'untouched unchanged':>20}")
-    for kind in [k.strip() for k in args.kinds.split(",") if k.strip()]:
+    print(f"{'bug':<17} {'exercised':>9} {'drift':>13} {'localized':>13} {'untouched unchanged':>20}"
+          + (f" {'names a param':>13}" if train else ""))
+    for kind in [k.strip() for k in kinds.split(",") if k.strip()]:
         ops = _ops(kind)
-        users = _exercised(entries, base_settings, kind)
+        users = _exercised(entries, base_settings, kind, train)
         bugged = _run(entries, {**base_settings, "numerics": kind}, db, args.list, args.jobs)
         ran_users = [m for m in users if clean[m]["outcome"] in ("pass", "pass_declared", "drift")]
         drift = [m for m in ran_users if bugged[m]["outcome"] == "drift"]
@@ -98,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         same = [m for m in others if bugged[m]["outcome"] == clean[m]["outcome"]
                 and _same(bugged[m].get("max_abs_err"), clean[m].get("max_abs_err"))]
         pct = lambda a, b: f"{len(a)}/{len(b)} {100 * len(a) / len(b):5.1f}%" if b else "-"  # noqa: E731
+        named = [m for m in drift if bugged[m].get("first_drift_param")]
         print(f"{kind:<17} {len(ran_users):>9} {pct(drift, ran_users):>13} {pct(localized, drift):>13} "
-              f"{pct(same, others):>20}")
+              f"{pct(same, others):>20}" + (f" {pct(named, drift):>13}" if train else ""))
         missed = sorted(set(ran_users) - set(drift))
         if missed:
             print(f"  not caught: {', '.join(missed)}")

@@ -52,6 +52,12 @@ class PathoModel(PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
+        b = self.config.behaviour
+        if b == "noisy-train" and self.training:  # randomness no dropout switch reaches
+            return BaseModelOutput(last_hidden_state=self.proj(self.embed(input_ids) + 1e-3 * torch.rand(1)))
+        if b == "detach-grad" and input_ids.device.type != "cpu":  # the target loses proj.weight's gradient
+            h = self.embed(input_ids)
+            return BaseModelOutput(last_hidden_state=h @ self.proj.weight.detach().t() + self.proj.bias)
         if input_ids.device.type != "cpu":
             b = self.config.behaviour
             if b == "crash":
@@ -73,8 +79,9 @@ def _load_module(path: Path, name: str):
 
 
 def build(root: Path, behaviour: str) -> Path:
-    """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU, or
-    takes long to load (`slow-load:SECONDS`, an hour without SECONDS)."""
+    """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU, takes
+    long to load (`slow-load:SECONDS`, an hour without SECONDS), or in train mode draws random numbers
+    (`noisy-train`) or loses a gradient on the target (`detach-grad`)."""
     import torch
 
     d = root / f"patho-{behaviour.replace(':', '-')}"

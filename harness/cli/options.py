@@ -53,6 +53,9 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
                    help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
                         "grad-scale; comma-separated) to see the verdict catch them")
+    p.add_argument("--mode", default="inference", choices=["inference", "train"],
+                   help="inference: one forward, outputs compared; train: one training step (loss, every gradient, "
+                        "the SGD-momentum and AdamW updates) compared")
     p.add_argument("--op-check", default="auto", choices=["auto", "all", "sampled", "off"],
                    help="kernel-conformance check (each op judged on its own inputs against the CPU): every call "
                         "(all), the first calls of each op signature (sampled), or none; auto = all up to 50M "

@@ -26,6 +26,8 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
             options[key] = getattr(args, key)
     if args.dtype not in (None, "fp32"):
         options["dtype"] = args.dtype
+    if args.mode != "inference":
+        options["mode"] = args.mode  # inference is the default: its rows keep their identity
     if args.op_check != "auto":
         options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
     settings = adapter.check_settings(options)

@@ -173,8 +173,9 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
 _FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
-           "signal")
-_NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine")
+           "signal", "loss_kind", "first_drift_param")
+_NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine", "grad_worst_ratio",
+            "grad_norm_ratio", "loss_delta")
 _TIMINGS = (
     ("load (s)", "load_time_s"),
     ("reference (s)", "ref_time_s"),
@@ -251,7 +252,12 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "config": r["config"],
         "outcome": r["outcome"],
         "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")]
-        + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else []),
+        + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else [])
+        + ([("missing gradients", ", ".join(map(str, r["missing_grads"])))] if r.get("missing_grads") else []),
+        "worst_ratio": fmt(r.get("rmse_ratio")),
+        "grad_ratio": fmt(r.get("grad_worst_ratio")),
+        "where": _text(r.get("first_drift_param")) or _text(r.get("first_drift_module"))
+        or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
         "drift_module": _text(r.get("first_drift_module")),
         "drift_op": _text(r.get("first_drift_op")),
         "drift_op_module": _text(r.get("first_drift_op_module")),

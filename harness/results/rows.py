@@ -54,6 +54,14 @@ class Measurement:
     first_drift_op_inputs: list = field(default_factory=list)  # ... its tensor inputs, "float32[2, 16, 64]"
     first_drift_op_ratio: float | None = None
     ops_checked: int | None = None  # ops the kernel-conformance check judged (None: not run)
+    # train mode (settings mode=train): the loss used, and the gradients' summary
+    loss_kind: str = ""  # "model" (the head's loss on seeded labels) or "reduction (why)"
+    grad_worst_ratio: float | None = None  # worst rmse ratio over the parameters' gradients
+    first_drift_param: str = ""  # first parameter (module order) whose gradient is beyond the bound, else
+    # the parameter the drifting kernel takes (or the nearest one of its module); error_message says which
+    grad_norm_ratio: float | None = None  # ||all gradients|| on the target / on the reference
+    loss_delta: float | None = None  # target loss - reference loss
+    missing_grads: list = field(default_factory=list)  # parameters with a reference gradient, none on target
     ops_sampled_out: int | None = None  # op calls the sampled check left unjudged (None: every call judged)
     repro_path: str = ""  # standalone repro script of the first diverging op
     max_abs_err: float | None = None

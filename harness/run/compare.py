@@ -36,6 +36,15 @@ class Tolerance:
     # Allclose fallback when no fp64 oracle is available.
     atol: float | None = None
     rtol: float | None = None
+    # The floor tol/10 relative to the oracle's RMS instead of absolute: for gradients and updates,
+    # whose scales differ by orders of magnitude between parameters (an absolute 1e-4 would pass any
+    # gradient of 1e-5). For an O(1) output the two floors are the same.
+    relative: bool = False
+
+    def floor(self, oracle: torch.Tensor) -> float:
+        if not self.relative:
+            return self.tol / 10.0
+        return self.tol / 10.0 * torch.sqrt(torch.mean(torch.square(oracle.double()))).item()
 
 
 @dataclass
@@ -100,7 +109,7 @@ def check_tensor(
     if out.bound is not None and oracle is not None:
         o = oracle.double()[m]
         out.rmse_expected = _rmse(o, e)
-        out.declared_bound = _multiplier(ref) * out.rmse_expected + tol.tol / 10.0
+        out.declared_bound = _multiplier(ref) * out.rmse_expected + tol.floor(o)
         out.declared_ratio = _ratio(out.rmse_target or 0.0, out.declared_bound)
         out.ok_declared = (out.rmse_target or 0.0) <= out.declared_bound
     else:  # no oracle: as close to the expected reference as the fallback asks of the fp32 one
@@ -149,7 +158,7 @@ def _check_fp32(name: str, ref: torch.Tensor, target: torch.Tensor, oracle: torc
         o = oracle.double()[m]
         out.rmse_target = _rmse(o, t)
         out.rmse_ref = _rmse(o, r)
-        out.bound = _multiplier(ref) * out.rmse_ref + tol.tol / 10.0
+        out.bound = _multiplier(ref) * out.rmse_ref + tol.floor(o)
         out.rmse_ratio = _ratio(out.rmse_target, out.bound)
         out.ok = out.rmse_target <= out.bound
     else:

@@ -33,7 +33,8 @@ from harness.backends.contracts import Contract, Emulate
 ULPS = 4
 _SKIP_NAMES = frozenset(
     {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "detach", "alias", "lift_fresh",
-     "empty", "empty_like", "empty_strided", "zeros_like", "ones_like", "full_like", "new_empty", "new_zeros",
+     "empty", "empty_like", "empty_strided", "empty_permuted", "new_empty_strided", "zeros_like", "ones_like",
+     "full_like", "new_empty", "new_zeros",
      "new_ones", "new_full", "_local_scalar_dense", "set_", "resize_", "contiguous"}
 )
 
@@ -62,6 +63,7 @@ class OpFailure:
 
     op: str
     module: str
+    param: str  # the parameter the op takes, else the nearest one of its module ("" if none)
     inputs: list[str]  # "float32[2, 16, 64]" per tensor argument, in order
     output: str
     ratio: float | None
@@ -126,14 +128,20 @@ class OpJudge(TorchDispatchMode):
         self._seen: dict[tuple, int] = {}
         self.worst = 0.0
         self._names: dict[int, str] = {}
+        self._params: dict[int, str] = {}
+        self._param_order: list[str] = []
+        self._owner = ""  # the module whose parameter the op being judged takes
         if model is not None:
             self.name_modules(model)
         self._stack: list[str] = []
         self._hooks: list[Any] = []
 
     def name_modules(self, model: torch.nn.Module) -> None:
-        """Report failures by this model's qualified module names."""
+        """Report failures by this model's qualified module names (in backward, where no module is
+        running, by the module whose parameter the op takes)."""
         self._names = {id(m): n for n, m in model.named_modules()}
+        self._params = {id(p): n for n, p in model.named_parameters()}
+        self._param_order = list(self._params.values())
 
     # -- where are we: a module stack kept by global forward hooks ------------------------------
 
@@ -160,6 +168,15 @@ class OpJudge(TorchDispatchMode):
     def _module(self) -> str:
         return next((n for n in reversed(self._stack) if n), "")
 
+    def _nearest_param(self, module: str) -> str:
+        """The first parameter (module order) of `module`, else of its nearest ancestor that has one."""
+        while True:
+            prefix = f"{module}." if module else ""
+            found = next((n for n in self._param_order if n.startswith(prefix)), "")
+            if found or not module:
+                return found
+            module = module.rpartition(".")[0]
+
     # -- the judge ---------------------------------------------------------------------------
 
     def _on_target(self, x: Any) -> bool:
@@ -181,6 +198,7 @@ class OpJudge(TorchDispatchMode):
                 return out
             self._seen[key] = seen + 1
         snap = tree_map(lambda x: _host(x) if self._on_target(x) else x, (args, kwargs))
+        self._owner = next((self._params[id(x)] for x in leaves if id(x) in self._params), "")  # a parameter
         out = func(*args, **kwargs)
         self._judge(func, snap, out)
         return out
@@ -224,8 +242,9 @@ class OpJudge(TorchDispatchMode):
             if ratio is not None and math.isfinite(ratio):
                 self.worst = max(self.worst, ratio)
             if not ok:
+                module = self._module() or self._owner.rpartition(".")[0]
                 self.failure = OpFailure(
-                    op=_op_name(func), module=self._module(),
+                    op=_op_name(func), module=module, param=self._owner or self._nearest_param(module),
                     inputs=[_describe(x) for x in tree_flatten(snap)[0] if isinstance(x, torch.Tensor)],
                     output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
                 )

@@ -47,11 +47,16 @@ def fp64_outputs(
     forward: Callable[[torch.nn.Module, dict[str, Any]], dict[str, torch.Tensor]],
     *,
     max_params: int = DEFAULT_MAX_PARAMS,
+    streamed: bool = True,
 ) -> tuple[dict[str, torch.Tensor] | None, str, torch.nn.Module | None]:
-    """(oracle outputs or None, the rule that judged them, the fp64 model copy for localization or None)."""
+    """(oracle outputs or None, the rule that judged them, the fp64 model copy for localization or None).
+    ``streamed=False``: no streamed form (a training step: gradients and optimizer state take the
+    parameters' dtype, so fp32 weights cannot give an fp64 step)."""
     size = n_params(model)
     if size > max_params:
         return None, f"none ({size:,} parameters > --oracle-max-params {max_params:,})", None
+    if size > COPY_MAX_PARAMS and not streamed:
+        return None, f"none ({size:,} parameters: a training step's fp64 oracle needs an fp64 copy)", None
     as64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
     try:
         if size <= COPY_MAX_PARAMS:

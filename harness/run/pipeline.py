@@ -22,6 +22,7 @@ from harness.backends import Adapter, adapter_for
 from harness.backends.base import OpCensus
 from harness.backends.contracts import Emulate, contract
 from harness.models.inputs import make_inputs
+from harness.models.labels import make_labels
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
 from harness.models.outputs import output_tensors
@@ -32,6 +33,7 @@ from harness.run.memory import PhaseClock
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, DEFAULT_MAX_PARAMS, fp64_outputs, n_params
 from harness.run.repro import describe, repro_preamble, write_repro
+from harness.run.train import OPTIMIZERS, missing_grads, prepare, replay_updates, train_metrics, train_step
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
@@ -138,22 +140,37 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
             return classify_exception(e, adapter, "load")
     out: dict[str, Any] = {}
+    train = task.settings.get("mode") == "train"
+    step = _forward
+    if train:
+        try:
+            prepare(model)
+            labels = make_labels(model, loaded.config, entry.task, inputs, seed=task.seed)
+        except Exception as e:
+            return classify_exception(e, adapter, "load")
 
     with clock.phase("reference"):
         try:
             t0 = time.perf_counter()
-            ref = _forward(model, inputs)
+            torch.manual_seed(task.seed)
+            if train:
+                step, inputs, out["loss_kind"], ref = _train_step_for(model, inputs, labels, task.seed)
+            else:
+                ref = step(model, inputs)
             out["_ref_s"] = time.perf_counter() - t0
-            ref2 = _forward(model, inputs)
+            torch.manual_seed(task.seed + 1)  # train mode: a step that depends on the seed is not reproducible
+            ref2 = step(model, inputs)
         except Exception as e:
             return classify_exception(e, adapter, "reference")
         if not identical(ref, ref2):
-            return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"}
+            return {"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ"
+                    + (" (under different seeds: the training step draws random numbers)" if train else "")}
         del ref2
 
     with clock.phase("oracle"):
         oracle, out["oracle"], oracle_model = fp64_outputs(
-            model, inputs, _forward, max_params=int(task.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS))
+            model, inputs, step, max_params=int(task.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
+            streamed=not train,
         )
 
     declared = contract(adapter.declared_precision(task.settings))
@@ -162,13 +179,13 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         with clock.phase("expected"):
             try:
                 with Emulate(declared):
-                    expected = _forward(model, inputs)
+                    expected = step(model, inputs)
             except Exception:
                 expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone
 
     # A small model keeps its CPU copy for module-level localization; a real checkpoint moves to the
     # device in place (one copy of the weights, held by the device).
-    keep_cpu = n_params(model) <= COPY_MAX_PARAMS and task.localize
+    keep_cpu = train or (n_params(model) <= COPY_MAX_PARAMS and task.localize)  # train: updates replay on it
     census = OpCensus()
     judge = _judge(device, declared, task.settings.get("op_check", "auto"), n_params(model))
     with clock.phase("target"):
@@ -181,23 +198,30 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
                     model = None
                 if judge is not None:
                     judge.name_modules(tmodel)
-                _forward(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
+                step(tmodel, target_inputs)  # warm-up: first-call costs (lazy init) stay out of the timing
                 if judge is not None:
                     # Every kernel judged on its own inputs. After the plain run: a dispatch mode changes
                     # some paths (torch.compile'd code runs eagerly under one), and the verdict on errors
                     # belongs to the model's own path.
                     try:
                         with judge:
-                            _forward(tmodel, target_inputs)
+                            step(tmodel, target_inputs)
                     except Exception:
                         judge = None
                 t0 = time.perf_counter()
-                tout = _forward(tmodel, target_inputs)
+                tout = step(tmodel, target_inputs)
                 out["_target_s"] = time.perf_counter() - t0
         except Exception as e:
             return {**out, **classify_exception(e, adapter), **_census_fields(census)}
 
     with clock.phase("compare"):
+        if train:  # the optimizers judged on the target's own gradients (see harness.run.train)
+            tol = Tolerance(tol=tol.tol, atol=tol.atol, rtol=tol.rtol, relative=True)
+            ref = {**ref, **replay_updates(model, tout, torch.float32)}
+            if oracle is not None:
+                oracle = {**oracle, **replay_updates(model, tout, torch.float64)}
+            if expected is not None:
+                expected = {**expected, **{k: v for k, v in ref.items() if k.split("/")[0] in OPTIMIZERS}}
         verdict = compare_outputs(ref, tout, oracle, tol, expected)
     out.update(
         _census_fields(census),
@@ -208,6 +232,15 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         ops_checked=judge.checked if judge is not None else None,
         ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
     )
+    if train:
+        out.update(train_metrics(ref, tout, {c.name: c for c in verdict.checks}, declared=not declared.exact))
+        missing = missing_grads(ref, tout)
+        if missing:
+            out["missing_grads"] = missing
+            out["outcome"] = "missing_grad"
+            out["error_message"] = (f"{len(missing)} parameter(s) got no gradient on the target: "
+                                    + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+            return out
     kernel = judge.failure if judge is not None else None
     if verdict.outcome != "drift" and kernel is None:
         return out
@@ -231,8 +264,14 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         )
     elif verdict.outcome != "drift":
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
+    if out.get("first_drift_param"):
+        messages.append(f"first parameter whose gradient drifts: {out['first_drift_param']}")
+    elif train and kernel is not None and kernel.param:  # gradients within the envelope: name the kernel's
+        out["first_drift_param"] = kernel.param
+        messages.append(f"gradients within the {'declared' if not declared.exact else 'fp32'} envelope; the "
+                        f"drifting kernel's parameter (or its module's nearest): {kernel.param}")
     out["error_message"] = "; ".join(messages)
-    if task.localize and model is not None:
+    if task.localize and model is not None and not train:  # train mode localizes to a parameter
         with clock.phase("localize"):
             try:
                 site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings,
@@ -253,6 +292,23 @@ def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
         return None
     sampled = mode == "sampled" or (mode == "auto" and params > COPY_MAX_PARAMS)
     return OpJudge(torch.device(device).type, declared, per_signature=OP_SAMPLE if sampled else None)
+
+
+def _train_step_for(model: torch.nn.Module, inputs: dict[str, Any], labels: dict[str, Any], seed: int):
+    """(step function, inputs with labels if the head's loss is used, loss kind, the first reference
+    result) for train mode: the head's own loss where its labels work on the reference, else the fixed
+    reduction (and why)."""
+    kind = "reduction (the head takes no labels)"
+    if labels:
+        with_labels = {**inputs, **labels}
+        try:
+            first = train_step(model, with_labels, model_loss=True, seed=seed)
+        except Exception as e:
+            kind = f"reduction (the head's loss failed: {type(e).__name__}: {str(e)[:200]})"
+        else:
+            return (lambda m, x: train_step(m, x, model_loss=True, seed=seed)), with_labels, "model", first
+    first = train_step(model, inputs, model_loss=False, seed=seed)
+    return (lambda m, x: train_step(m, x, model_loss=False, seed=seed)), inputs, kind, first
 
 
 def _repro(kernel, declared, adapter, task: Task, model_id: str):

@@ -12,7 +12,7 @@ kind                    what the kernel does wrong                              
 ``softmax-no-max``      softmax in bf16 without subtracting the row max first               _softmax
 ``approx-exp``          exp and rsqrt from an approximation with ~1e-3 relative error        exp, rsqrt
 ``gelu-mixup``          GELU computed with the tanh formula where erf was asked (and back)   gelu
-``grad-scale``          LayerNorm's backward kernel scales its input gradient by 1+1e-3     native_layer_norm_backward
+``grad-scale``          LayerNorm's backward kernel scales its weight gradient by 1+1e-3    native_layer_norm_backward
 ======================= ==================================================================== ============
 
 Switch: env ``PORTHARNESS_SIM_NUMERICS`` (comma-separated kinds), `set_numerics_bugs()`, or the
@@ -104,7 +104,7 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     grads = aten.native_layer_norm_backward.default(
         grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
     )
-    return (grads[0] * (1 + 1e-3) if grads[0] is not None else None, grads[1], grads[2])
+    return (grads[0], grads[1] * (1 + 1e-3) if grads[1] is not None else None, grads[2])
 
 
 BUGS: dict[str, dict[torch._ops.OpOverload, Callable]] = {
