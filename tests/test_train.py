@@ -8,6 +8,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from harness.models.model_list import ModelEntry, load_model_list
 from harness.models.tiny import build_tiny
 from harness.report import build_report
 from harness.results.store import ResultStore
+from harness.run.compare import Tolerance, compare_outputs
 from harness.run.runner import RunConfig, run_models
-from harness.run.train import OPTIMIZERS, prepare, replay_updates, train_step
+from harness.run.train import OPTIMIZERS, family_floors, prepare, replay_updates, train_step
 
 EXACT = ["--precision", "highest", "--ops", "full"]
 
@@ -97,7 +99,7 @@ def test_train_step_leaves_the_model_as_it_found_it_and_is_deterministic() -> No
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a["loss"].dim() == 0 and a["loss"].item() > 0
     # the CPU replay of the optimizers from these gradients is the step itself
-    replay = replay_updates(model, a, torch.float32)
+    replay = replay_updates(model, a)
     assert all(torch.equal(replay[k], a[k]) for k in replay)
 
 
@@ -116,6 +118,21 @@ def test_state_a_forward_caches_on_a_module_does_not_keep_the_graph() -> None:
     train_step(model, {"x": torch.ones(2, 4)}, model_loss=False)
     assert model.state.grad_fn is None
     copy.deepcopy(model)  # the target's copy: raises on a tensor that is not a graph leaf
+
+
+def test_a_gradient_that_cancels_to_zero_is_judged_by_its_familys_floor() -> None:
+    """A bias softmax ignores has an exactly-zero gradient: the fp32 reference and a device summing in
+    another order both hold only rounding noise there, which a floor relative to itself would compare."""
+    g = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    oracle = {"grad/w": g, "grad/key.bias": torch.zeros(64, dtype=torch.float64)}
+    ref = {"grad/w": g.float(), "grad/key.bias": torch.full((64,), 1e-8)}
+    noisy = {"grad/w": g.float(), "grad/key.bias": torch.full((64,), -4e-8)}
+    buggy = {"grad/w": (g * (1 + 1e-3)).float(), "grad/key.bias": ref["grad/key.bias"]}
+    own = Tolerance(relative=True)
+    family = replace(own, min_rms=family_floors(ref))
+    assert not compare_outputs(ref, noisy, oracle, own).ok  # noise judged against noise
+    assert compare_outputs(ref, noisy, oracle, family).ok
+    assert compare_outputs(ref, buggy, oracle, family).outcome == "drift"  # a 1e-3 bug still shows
 
 
 def test_fixed_reduction_when_the_head_takes_no_labels() -> None:

@@ -20,6 +20,7 @@ at values a later layer reaches, which the model's outputs are still judged for.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,7 +131,10 @@ class OpJudge(TorchDispatchMode):
         self._names: dict[int, str] = {}
         self._params: dict[int, str] = {}
         self._param_order: list[str] = []
-        self._owner = ""  # the module whose parameter the op being judged takes
+        self._param_objs: list[tuple[torch.nn.Parameter, str]] = []
+        self._storages: dict[tuple[torch.device, int], str] | None = None
+        self._owner = ""  # the parameter the op being judged takes
+        self._owners: list[str] | None = None
         if model is not None:
             self.name_modules(model)
         self._stack: list[str] = []
@@ -142,6 +146,8 @@ class OpJudge(TorchDispatchMode):
         self._names = {id(m): n for n, m in model.named_modules()}
         self._params = {id(p): n for n, p in model.named_parameters()}
         self._param_order = list(self._params.values())
+        self._param_objs = [(p, n) for n, p in model.named_parameters()]
+        self._storages = None  # parameter storages, looked up once the model is where it runs
 
     # -- where are we: a module stack kept by global forward hooks ------------------------------
 
@@ -169,13 +175,33 @@ class OpJudge(TorchDispatchMode):
         return next((n for n in reversed(self._stack) if n), "")
 
     def _nearest_param(self, module: str) -> str:
-        """The first parameter (module order) of `module`, else of its nearest ancestor that has one."""
-        while True:
-            prefix = f"{module}." if module else ""
-            found = next((n for n in self._param_order if n.startswith(prefix)), "")
-            if found or not module:
+        """The first parameter (module order) of `module`, else of its nearest ancestor that has one
+        ('' where no module is known: the model's first parameter would be a guess)."""
+        while module:
+            found = next((n for n in self._param_order if n.startswith(f"{module}.")), "")
+            if found:
                 return found
             module = module.rpartition(".")[0]
+        return ""
+
+    def _param_of(self, leaves: list[Any]) -> str:
+        """The parameter an op takes, itself or as a view (backward's mm takes weight.t()): found by
+        identity, else by the storage it shares. Where no module runs (backward) this names the site."""
+        for x in leaves:
+            if id(x) in self._params:
+                return self._params[id(x)]
+        if self._storages is None:
+            self._storages = {}
+            for p, name in self._param_objs:
+                with contextlib.suppress(Exception):  # a backend without storages: identity only
+                    self._storages.setdefault((p.device, p.untyped_storage().data_ptr()), name)
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.device.type == self.device_type:
+                with contextlib.suppress(Exception):
+                    name = self._storages.get((x.device, x.untyped_storage().data_ptr()))
+                    if name:
+                        return name
+        return ""
 
     # -- the judge ---------------------------------------------------------------------------
 
@@ -198,7 +224,10 @@ class OpJudge(TorchDispatchMode):
                 return out
             self._seen[key] = seen + 1
         snap = tree_map(lambda x: _host(x) if self._on_target(x) else x, (args, kwargs))
-        self._owner = next((self._params[id(x)] for x in leaves if id(x) in self._params), "")  # a parameter
+        self._owner = self._param_of(leaves)
+        # a foreach op (the optimizers on a device) takes a list of parameters: output i is list item i's
+        self._owners = ([self._param_of([x]) for x in args[0]]
+                        if func.__name__.startswith("_foreach") and args and isinstance(args[0], (list, tuple)) else None)
         out = func(*args, **kwargs)
         self._judge(func, snap, out)
         return out
@@ -242,9 +271,10 @@ class OpJudge(TorchDispatchMode):
             if ratio is not None and math.isfinite(ratio):
                 self.worst = max(self.worst, ratio)
             if not ok:
-                module = self._module() or self._owner.rpartition(".")[0]
+                owner = self._owners[i] if self._owners is not None and i < len(self._owners) else self._owner
+                module = self._module() or owner.rpartition(".")[0]
                 self.failure = OpFailure(
-                    op=_op_name(func), module=module, param=self._owner or self._nearest_param(module),
+                    op=_op_name(func), module=module, param=owner or self._nearest_param(module),
                     inputs=[_describe(x) for x in tree_flatten(snap)[0] if isinstance(x, torch.Tensor)],
                     output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
                 )

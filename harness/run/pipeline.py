@@ -13,7 +13,7 @@ import re
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,7 +33,15 @@ from harness.run.memory import PhaseClock
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, DEFAULT_MAX_PARAMS, fp64_outputs, n_params
 from harness.run.repro import describe, repro_preamble, write_repro
-from harness.run.train import OPTIMIZERS, missing_grads, prepare, replay_updates, train_metrics, train_step
+from harness.run.train import (
+    OPTIMIZERS,
+    family_floors,
+    missing_grads,
+    prepare,
+    replay_updates,
+    train_metrics,
+    train_step,
+)
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
@@ -143,18 +151,19 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
     train = task.settings.get("mode") == "train"
     step = _forward
     if train:
+        prepare(model)
+        no_labels = "the head takes no labels"
         try:
-            prepare(model)
             labels = make_labels(model, loaded.config, entry.task, inputs, seed=task.seed)
-        except Exception as e:
-            return classify_exception(e, adapter, "load")
+        except Exception as e:  # labels are ours to make: the step falls back to the fixed reduction
+            labels, no_labels = {}, f"no labels could be made: {type(e).__name__}: {str(e)[:200]}"
 
     with clock.phase("reference"):
         try:
             t0 = time.perf_counter()
             torch.manual_seed(task.seed)
             if train:
-                step, inputs, out["loss_kind"], ref = _train_step_for(model, inputs, labels, task.seed)
+                step, inputs, out["loss_kind"], ref = _train_step_for(model, inputs, labels, task.seed, no_labels)
             else:
                 ref = step(model, inputs)
             out["_ref_s"] = time.perf_counter() - t0
@@ -172,6 +181,8 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
             model, inputs, step, max_params=int(task.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
             streamed=not train,
         )
+        if train:
+            oracle_model = None  # it serves module-level localization; train mode localizes to a parameter
 
     declared = contract(adapter.declared_precision(task.settings))
     expected = None
@@ -216,8 +227,8 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
 
     with clock.phase("compare"):
         if train:  # the optimizers judged on the target's own gradients (see harness.run.train)
-            tol = Tolerance(tol=tol.tol, atol=tol.atol, rtol=tol.rtol, relative=True)
-            ref = {**ref, **replay_updates(model, tout, torch.float32)}
+            ref = {**ref, **replay_updates(model, tout)}
+            tol = replace(tol, relative=True, min_rms=family_floors(ref))
             if oracle is not None:
                 oracle = {**oracle, **replay_updates(model, tout, torch.float64)}
             if expected is not None:
@@ -294,11 +305,13 @@ def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
     return OpJudge(torch.device(device).type, declared, per_signature=OP_SAMPLE if sampled else None)
 
 
-def _train_step_for(model: torch.nn.Module, inputs: dict[str, Any], labels: dict[str, Any], seed: int):
+def _train_step_for(model: torch.nn.Module, inputs: dict[str, Any], labels: dict[str, Any], seed: int,
+                    no_labels: str) -> tuple[Callable[..., dict[str, torch.Tensor]], dict[str, Any], str,
+                                             dict[str, torch.Tensor]]:
     """(step function, inputs with labels if the head's loss is used, loss kind, the first reference
     result) for train mode: the head's own loss where its labels work on the reference, else the fixed
-    reduction (and why)."""
-    kind = "reduction (the head takes no labels)"
+    reduction (and why: `no_labels` when there are none)."""
+    kind = f"reduction ({no_labels})"
     if labels:
         with_labels = {**inputs, **labels}
         try:

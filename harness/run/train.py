@@ -24,6 +24,7 @@ and every parameter's update under two optimizers.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -97,7 +98,10 @@ def train_step(model: torch.nn.Module, inputs: dict[str, Any], *, model_loss: bo
     order. `inputs` include the labels when `model_loss` (the head's own loss), else the fixed reduction
     is the loss. A parameter that gets no gradient has no ``grad/`` entry; `missing_grads` compares those."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters: there is no training step to compare")
     buffers = [(b, b.detach().clone()) for _, b in model.named_buffers()]
+    start = [p.detach().clone() for _, p in params]
     model.zero_grad(set_to_none=True)
     try:
         with torch.enable_grad():
@@ -107,15 +111,16 @@ def train_step(model: torch.nn.Module, inputs: dict[str, Any], *, model_loss: bo
         result = {"loss": loss.detach().cpu()}
         result.update({f"grad/{n}": p.grad.detach().cpu() for n, p in params if p.grad is not None})
         with torch.no_grad():
-            start = [p.detach().clone() for _, p in params]
             for name in OPTIMIZERS:
                 _optimizer(name, [p for _, p in params]).step()
                 for (n, p), p0 in zip(params, start, strict=True):
                     result[f"{name}/{n}"] = (p.detach() - p0).cpu()
                     p.copy_(p0)
-    finally:
+    finally:  # also when a step fails half-way (under the op check): later runs start from the same point
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
+            for (_, p), p0 in zip(params, start, strict=True):
+                p.copy_(p0)
             for b, b0 in buffers:
                 b.copy_(b0)
         _detach_cached_state(model)
@@ -132,10 +137,11 @@ def _detach_cached_state(model: torch.nn.Module) -> None:
                 setattr(module, key, value.detach())
 
 
-def replay_updates(model: torch.nn.Module, result: dict[str, torch.Tensor], dtype: torch.dtype
+def replay_updates(model: torch.nn.Module, result: dict[str, torch.Tensor], dtype: torch.dtype | None = None
                    ) -> dict[str, torch.Tensor]:
-    """The optimizers' updates recomputed on the CPU in `dtype` from `model`'s parameters (the starting
-    point, on the CPU) and the gradients in `result` (the target's): what the target's optimizer step
+    """The optimizers' updates recomputed on the CPU in `dtype` (default: each parameter's own, as the
+    target stepped it) from `model`'s parameters (the starting point, on the CPU) and the gradients in
+    `result` (the target's): what the target's optimizer step
     should have produced *given its own gradients*. Gradients are judged on their own; comparing the
     target's updates with the reference's would judge them twice, and AdamW's first step amplifies a
     gradient's last bits near its eps (d update / d g = lr / eps = 1e5) past any fair bound."""
@@ -144,9 +150,9 @@ def replay_updates(model: torch.nn.Module, result: dict[str, torch.Tensor], dtyp
     for opt in OPTIMIZERS:
         params = []
         for n, p in named:
-            q = p.detach().to(device="cpu", dtype=dtype).clone()
+            q = p.detach().to(device="cpu", dtype=dtype or p.dtype).clone()
             g = result.get(f"grad/{n}")
-            q.grad = g.to(dtype) if g is not None else None
+            q.grad = g.to(q.dtype) if g is not None else None
             params.append(q)
         start = [q.clone() for q in params]
         _optimizer(opt, params).step()
@@ -159,16 +165,12 @@ def missing_grads(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
     return [k.removeprefix("grad/") for k in ref if k.startswith("grad/") and k not in target]
 
 
-def param_names(result: dict[str, torch.Tensor]) -> list[str]:
-    return [k.removeprefix("grad/") for k in result if k.startswith("grad/")]
-
-
 def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor], checks: dict[str, Any],
                   declared: bool) -> dict[str, Any]:
     """Row fields: worst gradient ratio, the first parameter (module order) whose gradient is outside
     the envelope that decides the verdict, the gradient-norm ratio, the loss delta."""
     grads = [k for k in ref if k.startswith("grad/") and k in target]
-    ratios = [checks[k].rmse_ratio for k in grads if k in checks and checks[k].rmse_ratio is not None]
+    ratios = [r for k in grads if k in checks and (r := checks[k].rmse_ratio) is not None and math.isfinite(r)]
     bad = next((k for k in grads if k in checks and not (checks[k].ok_declared if declared else checks[k].ok)), None)
     norm_ref = torch.sqrt(sum((ref[k].double() ** 2).sum() for k in grads)) if grads else None
     norm_tgt = torch.sqrt(sum((target[k].double() ** 2).sum() for k in grads)) if grads else None
@@ -179,3 +181,20 @@ def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
         "grad_norm_ratio": (norm_tgt / norm_ref).item() if norm_ref is not None and norm_ref > 0 else None,
         "loss_delta": loss_delta,
     }
+
+
+NOISE_FLOOR = 1e-2  # of a family's RMS: where a relative floor stops (see Tolerance.min_rms)
+
+
+def family_floors(ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per output family (gradients, each optimizer's updates), NOISE_FLOOR times the RMS over all its
+    tensors: fp32 noise in a gradient that cancels to zero scales with its neighbours', not with
+    itself. Tensors above NOISE_FLOOR of their family's RMS keep their own relative floor."""
+    sums: dict[str, list[float]] = {}
+    for name, t in ref.items():
+        family, _, rest = name.partition("/")
+        if rest and t.is_floating_point() and t.numel():
+            acc = sums.setdefault(family, [0.0, 0])
+            acc[0] += torch.sum(torch.square(t.double())).item()
+            acc[1] += t.numel()
+    return {f: NOISE_FLOOR * math.sqrt(s / n) for f, (s, n) in sums.items()}
