@@ -5,6 +5,8 @@ The full tiny zoo (1,400+ models) is the `slow` test at the bottom and `portharn
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
 from harness.run.runner import RunConfig, run_models
 
+EXPECTED = Path(__file__).resolve().parents[1] / "model_lists" / "expected"
+
 
 def _run(tmp_path: Path, list_name: str, settings: dict, jobs: int = 2) -> tuple[list, list[dict]]:
     entries = load_model_list(list_name)
@@ -20,6 +24,11 @@ def _run(tmp_path: Path, list_name: str, settings: dict, jobs: int = 2) -> tuple
     summary = run_models(entries, RunConfig(settings=settings, jobs=jobs, timeout_s=600, progress=False), db,
                          list_name=list_name)
     assert summary.unfinished == 0
+    # The committed expected file of this configuration stays true: a change that moves an outcome
+    # updates it in the same commit (portharness baseline update).
+    gate = subprocess.run([sys.executable, "-m", "harness.cli", "baseline", "check", "--db", str(db),
+                           "--expected-dir", str(EXPECTED)], capture_output=True, text=True, timeout=120)
+    assert gate.returncode == 0, gate.stdout[-3000:] + gate.stderr[-2000:]
     with ResultStore(db) as store:
         return entries, store.results(summary.run_id).to_dict("records")
 
@@ -52,6 +61,16 @@ def test_smoke_list_on_the_young_default_backend(tmp_path: Path) -> None:
             assert r["contract"] == "bf16-matmul" and r["ops_checked"] > 0
         if r["outcome"] == "unsupported_op":
             assert r["unsupported_op"].startswith("aten::") or r["unsupported_op"] == "flex_attention"
+
+
+def test_smoke_list_in_train_mode(tmp_path: Path) -> None:
+    """One training step per model at default settings: gradients and updates stay inside the declared
+    precision; what fails is a missing (backward) op, named."""
+    entries, rows = _run(tmp_path, "smoke", {"precision": "default", "ops": "young", "mode": "train"})
+    assert len(rows) == len(entries)
+    assert {r["outcome"] for r in rows} <= {"pass", "pass_declared", "unsupported_op"}, [
+        (r["model_id"], r["outcome"]) for r in rows if r["outcome"] not in ("pass", "pass_declared", "unsupported_op")]
+    assert all(r["grad_worst_ratio"] is not None and r["loss_kind"] for r in rows if r["outcome"] == "pass_declared")
 
 
 @pytest.mark.slow
