@@ -79,6 +79,24 @@ def test_the_same_bug_at_default_precision_still_names_a_layernorm() -> None:
     assert clean["outcome"] == "pass_declared" and clean["first_drift_param"] == ""
 
 
+def test_a_drifting_kernel_without_a_parameter_still_names_one() -> None:
+    """DPT's fixed-reduction loss (a mean over the depth map, outside every module) is the first kernel
+    the planted bf16 accumulation throws off; its gradients stay inside the declared envelope."""
+    rc, row = check("tiny/dpt/depth", "--mode", "train", "--numerics-bug", "bf16-accumulate")
+    assert (row["outcome"], row["first_drift_op"], row["first_drift_op_module"]) == ("drift", "aten::mean", "")
+    assert row["first_drift_param"] and f"grad/{row['first_drift_param']}" in row["metrics"]
+    assert "the gradient it moved most" in row["error_message"]
+
+
+def test_a_backward_kernel_is_placed_in_the_module_whose_forward_made_it() -> None:
+    """A bias gradient is a sum over the batch in backward: no module runs and no parameter is an input;
+    the autograd node says which module's forward op it differentiates."""
+    rc, row = check("tiny/gpt2/causal-lm", "--mode", "train", "--numerics-bug", "bf16-accumulate")
+    assert (row["outcome"], row["first_drift_op"]) == ("drift", "aten::sum.dim_IntList")
+    assert row["first_drift_op_module"] == "transformer.h.1.mlp.c_proj"  # the last layer: backward runs first there
+    assert row["first_drift_param"].startswith("transformer.h.")
+
+
 def test_prepare_switches_off_dropout_everywhere_and_keeps_train_mode() -> None:
     model = prepare(build_tiny("bert", "masked-lm", seed=0))
     assert model.training and all(m.training for m in model.modules())

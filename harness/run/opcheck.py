@@ -139,6 +139,7 @@ class OpJudge(TorchDispatchMode):
             self.name_modules(model)
         self._stack: list[str] = []
         self._hooks: list[Any] = []
+        self._grad_nodes: dict[Any, str] = {}  # autograd node -> module whose forward made it
 
     def name_modules(self, model: torch.nn.Module) -> None:
         """Report failures by this model's qualified module names (in backward, where no module is
@@ -152,10 +153,12 @@ class OpJudge(TorchDispatchMode):
     # -- where are we: a module stack kept by global forward hooks ------------------------------
 
     def __enter__(self) -> OpJudge:
-        def pre(module: torch.nn.Module, _args: Any) -> None:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            self._claim(args, self._module())  # made before this call: the caller's
             self._stack.append(self._names.get(id(module), type(module).__name__))
 
-        def post(module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        def post(module: torch.nn.Module, _args: Any, out: Any) -> None:
+            self._claim(out, self._module())
             if self._stack:
                 self._stack.pop()
 
@@ -169,7 +172,24 @@ class OpJudge(TorchDispatchMode):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._grad_nodes = {}
         return super().__exit__(*exc)
+
+    def _claim(self, tensors: Any, module: str) -> None:
+        """Backward runs outside any module: remember which module's forward made each autograd node, so a
+        backward kernel is placed where its forward op ran. Inner modules claim their nodes first (their
+        hooks run first); a module's inputs are claimed for its caller before it runs."""
+        todo = [t.grad_fn for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in self._grad_nodes:
+                continue
+            self._grad_nodes[node] = module
+            todo.extend(n for n, _ in node.next_functions if n is not None and n not in self._grad_nodes)
+
+    def _backward_module(self) -> str:
+        node = torch._C._current_autograd_node()
+        return self._grad_nodes.get(node, "") if node is not None else ""
 
     def _module(self) -> str:
         return next((n for n in reversed(self._stack) if n), "")
@@ -272,7 +292,7 @@ class OpJudge(TorchDispatchMode):
                 self.worst = max(self.worst, ratio)
             if not ok:
                 owner = self._owners[i] if self._owners is not None and i < len(self._owners) else self._owner
-                module = self._module() or owner.rpartition(".")[0]
+                module = self._module() or owner.rpartition(".")[0] or self._backward_module()
                 self.failure = OpFailure(
                     op=_op_name(func), module=module, param=owner or self._nearest_param(module),
                     inputs=[_describe(x) for x in tree_flatten(snap)[0] if isinstance(x, torch.Tensor)],

@@ -277,10 +277,16 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     if out.get("first_drift_param"):
         messages.append(f"first parameter whose gradient drifts: {out['first_drift_param']}")
-    elif train and kernel is not None and kernel.param:  # gradients within the envelope: name the kernel's
-        out["first_drift_param"] = kernel.param
-        messages.append(f"gradients within the {'declared' if not declared.exact else 'fp32'} envelope; the "
-                        f"drifting kernel's parameter (or its module's nearest): {kernel.param}")
+    elif train and kernel is not None:  # gradients within the envelope: name the kernel's parameter
+        envelope = "declared" if not declared.exact else "fp32"
+        if kernel.param:
+            out["first_drift_param"] = kernel.param
+            messages.append(f"gradients within the {envelope} envelope; the drifting kernel's parameter (or its "
+                            f"module's nearest): {kernel.param}")
+        elif (moved := _most_moved_gradient(verdict.checks)):  # e.g. the loss, outside every module
+            out["first_drift_param"] = moved
+            messages.append(f"gradients within the {envelope} envelope; the drifting kernel has no parameter of its "
+                            f"own or of its module's, the gradient it moved most: {moved}")
     out["error_message"] = "; ".join(messages)
     if task.localize and model is not None and not train:  # train mode localizes to a parameter
         with clock.phase("localize"):
@@ -294,6 +300,12 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
                     out["first_drift_module"] = site.module
                     out["first_drift_module_type"] = site.module_type
     return out
+
+
+def _most_moved_gradient(checks: list) -> str:
+    """The parameter whose gradient is furthest outside the fp32 envelope ('' without gradients)."""
+    grads = [c for c in checks if c.name.startswith("grad/") and c.rmse_ratio is not None]
+    return max(grads, key=lambda c: c.rmse_ratio).name.removeprefix("grad/") if grads else ""
 
 
 def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
