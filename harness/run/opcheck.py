@@ -129,9 +129,8 @@ class OpJudge(TorchDispatchMode):
         self._seen: dict[tuple, int] = {}
         self.worst = 0.0
         self._names: dict[int, str] = {}
-        self._params: dict[int, str] = {}
-        self._param_order: list[str] = []
-        self._param_objs: list[tuple[torch.nn.Parameter, str]] = []
+        self._params: dict[int, str] = {}  # id(parameter) -> name
+        self._param_objs: list[tuple[torch.nn.Parameter, str]] = []  # module order
         self._storages: dict[tuple[torch.device, int], str] | None = None
         self._owner = ""  # the parameter the op being judged takes
         self._owners: list[str] | None = None
@@ -145,9 +144,8 @@ class OpJudge(TorchDispatchMode):
         """Report failures by this model's qualified module names (in backward, where no module is
         running, by the module whose parameter the op takes)."""
         self._names = {id(m): n for n, m in model.named_modules()}
-        self._params = {id(p): n for n, p in model.named_parameters()}
-        self._param_order = list(self._params.values())
         self._param_objs = [(p, n) for n, p in model.named_parameters()]
+        self._params = {id(p): n for p, n in self._param_objs}
         self._storages = None  # parameter storages, looked up once the model is where it runs
 
     # -- where are we: a module stack kept by global forward hooks ------------------------------
@@ -179,6 +177,8 @@ class OpJudge(TorchDispatchMode):
         """Backward runs outside any module: remember which module's forward made each autograd node, so a
         backward kernel is placed where its forward op ran. Inner modules claim their nodes first (their
         hooks run first); a module's inputs are claimed for its caller before it runs."""
+        if not torch.is_grad_enabled():  # no autograd nodes to place (inference)
+            return
         todo = [t.grad_fn for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while todo:
             node = todo.pop()
@@ -198,7 +198,7 @@ class OpJudge(TorchDispatchMode):
         """The first parameter (module order) of `module`, else of its nearest ancestor that has one
         ('' where no module is known: the model's first parameter would be a guess)."""
         while module:
-            found = next((n for n in self._param_order if n.startswith(f"{module}.")), "")
+            found = next((n for _, n in self._param_objs if n.startswith(f"{module}.")), "")
             if found:
                 return found
             module = module.rpartition(".")[0]

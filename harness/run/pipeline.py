@@ -244,7 +244,7 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
         ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
     )
     if train:
-        out.update(train_metrics(ref, tout, {c.name: c for c in verdict.checks}, declared=not declared.exact))
+        out.update(train_metrics(ref, tout, {c.name: c for c in verdict.checks}))
         missing = missing_grads(ref, tout)
         if missing:
             out["missing_grads"] = missing

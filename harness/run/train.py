@@ -165,13 +165,13 @@ def missing_grads(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
     return [k.removeprefix("grad/") for k in ref if k.startswith("grad/") and k not in target]
 
 
-def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor], checks: dict[str, Any],
-                  declared: bool) -> dict[str, Any]:
+def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor], checks: dict[str, Any]
+                  ) -> dict[str, Any]:
     """Row fields: worst gradient ratio, the first parameter (module order) whose gradient is outside
     the envelope that decides the verdict, the gradient-norm ratio, the loss delta."""
     grads = [k for k in ref if k.startswith("grad/") and k in target]
     ratios = [r for k in grads if k in checks and (r := checks[k].rmse_ratio) is not None and math.isfinite(r)]
-    bad = next((k for k in grads if k in checks and not (checks[k].ok_declared if declared else checks[k].ok)), None)
+    bad = next((k for k in grads if k in checks and not checks[k].ok_declared), None)  # = ok without a contract
     norm_ref = torch.sqrt(sum((ref[k].double() ** 2).sum() for k in grads)) if grads else None
     norm_tgt = torch.sqrt(sum((target[k].double() ** 2).sum() for k in grads)) if grads else None
     loss_delta = (target["loss"].double() - ref["loss"].double()).item() if "loss" in target else None
