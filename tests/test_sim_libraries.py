@@ -1,6 +1,7 @@
-"""sim driven the way libraries drive an accelerator: accelerate-style offload and cache clearing,
-save_pretrained/from_pretrained, generation with a static cache, torch.compile, training on the
-second device, tied weights, autocast. Tiny models come from `harness.models.tiny.build_tiny`."""
+"""sim driven the way libraries drive an accelerator: accelerate's own parameter moves and cpu/disk
+offload, offload and cache clearing by hand, save_pretrained/from_pretrained, generation with a static
+cache, torch.compile, training on the second device, tied weights, autocast. Tiny models come from
+`harness.models.tiny.build_tiny`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,42 @@ def _param_bytes(model: torch.nn.Module) -> int:
 
 def _tied(model: torch.nn.Module) -> bool:
     return model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_parameters_on_sim_are_plain_parameters():
+    lin = torch.nn.Linear(2, 2).to("sim")
+    assert type(lin.weight) is torch.nn.Parameter and lin.weight.device == torch.device("sim:0")
+    assert type(lin.weight.data) is torch.Tensor
+    # what accelerate does to re-place a parameter: rebuild it by its type, on any device
+    rebuilt = type(lin.weight)(lin.weight.data.to("sim:1"), requires_grad=lin.weight.requires_grad)
+    assert type(rebuilt) is torch.nn.Parameter and rebuilt.device == torch.device("sim:1")
+
+
+def test_accelerate_moves_parameters_to_meta_and_back():
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    lin = torch.nn.Linear(2, 2).to("sim")
+    weight = lin.weight.detach().cpu()
+    accelerate_utils.set_module_tensor_to_device(lin, "weight", "meta")
+    assert lin.weight.device.type == "meta" and type(lin.weight) is torch.nn.Parameter
+    accelerate_utils.set_module_tensor_to_device(lin, "weight", "sim:1", value=weight)
+    assert lin.weight.device == torch.device("sim:1") and torch.equal(lin.weight.detach().cpu(), weight)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_accelerate_offload_round_trip(tmp_path, kind):
+    accelerate = pytest.importorskip("accelerate")
+    model = build_tiny("gpt2", "causal-lm").eval()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    if kind == "cpu":
+        accelerate.cpu_offload(model, execution_device=torch.device("sim:1"))
+    else:
+        accelerate.disk_offload(model, str(tmp_path / "offload"), execution_device=torch.device("sim:1"))
+    with torch.no_grad(), sim.precision("highest"):
+        out = model(input_ids=ids.to("sim:1")).logits
+    assert out.device == torch.device("sim:1")
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
 
 
 def test_accelerate_style_offload_and_cache_clearing():
@@ -95,7 +132,7 @@ def test_compiled_forward_matches_cpu(backend):
         out = compiled(input_ids=ids.to("sim")).logits
         again = compiled(input_ids=ids.to("sim")).logits
         ref = cpu(input_ids=ids).logits
-    assert out.device.type == "sim" and type(out).__name__ == "SimTensor"
+    assert out.device.type == "sim" and type(out) is torch.Tensor
     torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
     torch.testing.assert_close(again.cpu(), ref, rtol=0, atol=0)
 

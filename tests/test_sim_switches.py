@@ -89,8 +89,8 @@ def test_default_precision_rounds_only_multiplier_operands():
     assert torch.equal(elementwise, a * 1.001)  # non-matmul ops stay fp32
 
 
-def test_rounded_weight_cache_sees_every_kind_of_write():
-    # The bf16 copy of a parameter is cached; each way of changing the parameter must invalidate it.
+def test_default_precision_sees_every_kind_of_write():
+    # The multiplier must see a weight as it is now, whichever way it was last written.
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 8, bias=False).to("sim")
     x = torch.randn(4, 32).to("sim")

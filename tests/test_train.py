@@ -55,7 +55,7 @@ def test_bert_masked_lm_train_step_passes_with_gradient_metrics() -> None:
     assert names == {n for n, p in model.named_parameters() if p.requires_grad}
     for opt in OPTIMIZERS:
         assert {k.split("/", 1)[1] for k in row["metrics"] if k.startswith(f"{opt}/")} == names
-    assert row["ops_checked"] > 300  # backward and optimizer kernels judged too
+    assert row["ops_checked"] > 150  # backward and optimizer kernels judged too (the forward alone: 36 calls)
 
 
 def test_planted_gradient_bug_is_drift_named_by_parameter_and_kernel() -> None:

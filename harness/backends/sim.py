@@ -94,7 +94,7 @@ class SimAdapter(Adapter):
     @contextlib.contextmanager
     def census(self) -> Iterator[OpCensus]:
         from harness.sim import fallback_counts, reset_fallback_counts
-        from harness.sim.tensor import start_trace, stop_trace
+        from harness.sim.opset import start_trace, stop_trace
 
         found = OpCensus()
         reset_fallback_counts()

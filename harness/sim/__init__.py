@@ -29,27 +29,24 @@ memory     PORTHARNESS_SIM_MEMORY_MB    set_memory_size / memory_size()       Mi
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
 ========== ============================ ===================================== ======================
 
-It behaves like a device to the code around it: autograd and training on every ``sim:N`` (a native
-device guard, built on first use: see ``native``), ``torch.accelerator`` memory statistics and
-``torch.sim.memory_allocated``-style accounting of live sim storages with a simulated memory size
-(``memory``), streams and events (``streams``), storages and data pointers shared by views
-(``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``), modules
-moved on and off with their parameters' identity (tied weights stay tied: ``moves``),
-``torch.compile`` with the ``eager``/``aot_eager`` backends (a traceable tensor subclass), and
-``torch.autocast("sim")`` with CUDA's op lists (``autocast``).
+It behaves like a device because it is one: a native PrivateUse1 backend (``native``, C++ built on
+first use). Its tensors are plain `torch.Tensor`s on ``sim:N`` and its parameters plain
+`nn.Parameter`s; one C++ kernel serves every op (op profile, precision, same-device rule, the CPU
+kernel on the same memory). Autograd and training on every ``sim:N`` (a native device guard),
+``torch.accelerator`` memory statistics and ``torch.sim.memory_allocated``-style accounting with a
+simulated memory size (``memory``), streams and events (``streams``), storages and data pointers
+shared by views (``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``),
+``Module.to`` keeping parameters (and tied weights) as on any device, ``torch.compile`` with the
+``eager``/``aot_eager`` backends, and ``torch.autocast("sim")`` with CUDA's op lists (``autocast``).
+Python runs per op only while a switch needs it: injected faults, planted numerics bugs, autocast.
 
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
 calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..." ValueError, and
 reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
 NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
 
-Known limits: Inductor (sim has no code generator: compile with ``eager`` or ``aot_eager``; with
-``aot_eager`` the compiled graph runs on the host tensors: the op profile is checked and faults are
-drawn while it is traced, not per call; precision rounding becomes part of the graph). Moving a
-module onto sim, between sim devices or dtypes swaps parameter contents in place, which torch
-refuses for a parameter an autograd graph still holds (outputs kept from a forward without
-backward) or that has weakrefs ("_apply(): Couldn't swap ...", as for any traceable tensor
-subclass). The autograd engine reads the device count once, at the first backward.
+Known limits: Inductor (sim has no code generator: compile with ``eager`` or ``aot_eager``). The
+autograd engine reads the device count once, at the first backward.
 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
@@ -139,15 +136,30 @@ def _register() -> None:
 
     if current == BACKEND_NAME and hasattr(torch, BACKEND_NAME):
         raise RuntimeError("a different 'sim' backend is already registered in this process")
-    # The native device guard and allocator go in first: torch's Python guard (which the call below
-    # would otherwise install) reports a single device. See native.py.
+    # The native device guard, allocator and dispatch path go in first: torch's Python guard (which the
+    # call below would otherwise install) reports a single device. See native.py.
     _device_mod._ext.register()
     _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
-    from . import kernels
-
-    kernels.register()
+    importlib.import_module(".autocast", __package__).register()
+    importlib.import_module(".numerics", __package__).plant_from_env()
+    _printable()
     _registered = True
 
+
+
+def _printable() -> None:
+    """Printing a tensor runs ops on its device (masked_select, abs, ...: xla and lazy copy to the CPU
+    first, see torch._tensor_str). A young profile lacks some of them, and a repr must not fail over the
+    op set: sim tensors are formatted under the full profile."""
+    str_tensor = torch._tensor_str._str
+
+    def _str(self: torch.Tensor, *, tensor_contents: object = None) -> str:
+        if self.device.type != BACKEND_NAME:
+            return str_tensor(self, tensor_contents=tensor_contents)
+        with op_profile("full"):
+            return str_tensor(self, tensor_contents=tensor_contents)
+
+    torch._tensor_str._str = _str
 
 
 def is_registered() -> bool:

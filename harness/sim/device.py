@@ -9,8 +9,7 @@ in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `Wrap
 without them it dies on an internal AssertionError, so these stand-ins raise a clear
 `NotImplementedError` instead. That is also how FlexAttention fails when it reaches sim through
 compilation (transformers' ``attn_implementation="flex_attention"`` compiles `create_block_mask`):
-the message names it. Because SimTensor is a traceable subclass, Inductor would otherwise compile
-the host (CPU) graph behind sim tensors; `refuse_inductor` stops it while it traces them.
+the message names it.
 
 The current device (and stream) is per thread, as on CUDA, and lives in the native device guard
 (``native``), so `torch.sim.set_device`, `torch.accelerator.set_device_index` and the autograd
@@ -20,8 +19,6 @@ are re-exported here because this module is `torch.sim`.
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,7 +72,9 @@ class _PerDevice(dict):
         return value
 
 
-_generators: dict[int, torch.Generator] = _PerDevice(lambda _i: torch.Generator())
+# The RNG each device's random kernels draw from (held by the native dispatch path, which passes it to
+# every op with a generator argument left unset).
+_generators: dict[int, torch.Generator] = _PerDevice(_ext.generator)
 
 
 def is_available() -> bool:
@@ -208,19 +207,6 @@ def _no_compiler_message() -> str:
         "torch.compile's Inductor backend has no code generator for the sim backend (sim runs eagerly "
         "only); run eagerly or compile with backend='eager' / 'aot_eager'."
     )
-
-
-def refuse_inductor() -> None:
-    """Raise the no-Inductor error if Inductor is compiling. SimTensor calls this while torch.compile
-    traces it: Inductor would otherwise compile the host (CPU) graph behind the sim tensors."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if _INDUCTOR_DIR in frame.f_code.co_filename:
-            raise NotImplementedError(_no_compiler_message())
-        frame = frame.f_back
-
-
-_INDUCTOR_DIR = os.path.join("torch", "_inductor", "")
 
 
 class _NoInductorMeta(type):

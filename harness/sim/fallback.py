@@ -12,11 +12,10 @@ context manager; `fallback_counts()` / `reset_fallback_counts()` read and clear 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
+from .native import ext
 
 FALLBACK_ENV = "PORTHARNESS_SIM_FALLBACK"
 MODES = ("off", "cpu")
@@ -28,8 +27,12 @@ def _validate(mode: str) -> str:
     return mode
 
 
-_mode = _validate(os.environ.get(FALLBACK_ENV, "off") or "off")
-_counts: Counter[str] = Counter()
+def _apply(mode: str) -> str:
+    ext.set_fallback_cpu(mode == "cpu")
+    return mode
+
+
+_mode = _apply(_validate(os.environ.get(FALLBACK_ENV, "off") or "off"))
 
 
 def get_fallback() -> str:
@@ -38,30 +41,24 @@ def get_fallback() -> str:
 
 def set_fallback(mode: str) -> None:
     global _mode
-    _mode = _validate(mode)
+    _mode = _apply(_validate(mode))
 
 
 @contextmanager
 def fallback(mode: str) -> Iterator[None]:
     """Run the block with another fallback mode."""
     global _mode
-    prev, _mode = _mode, _validate(mode)
+    prev, _mode = _mode, _apply(_validate(mode))
     try:
         yield
     finally:
-        _mode = prev
-
-
-def count(func: torch._ops.OpOverload) -> None:
-    """One call of `func` fell back to the host (called by the dispatcher)."""
-    ov = func._overloadname
-    _counts[func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"] += 1
+        _mode = _apply(prev)
 
 
 def fallback_counts() -> dict[str, int]:
-    """Calls per op that fell back since the last reset, e.g. ``{"aten::sort": 3}``."""
-    return dict(_counts)
+    """Calls per op that fell back since the last reset, e.g. ``{"aten::sort": 3}`` (counted natively)."""
+    return dict(ext.fallback_counts())
 
 
 def reset_fallback_counts() -> None:
-    _counts.clear()
+    ext.reset_fallback_counts()

@@ -14,7 +14,9 @@ launch on that device:
 - ``crash``: the process dies from SIGSEGV, as a driver segfault would.
 
 Each kind has a per-launch probability; draws come from a per-device RNG seeded from ``seed``, so a
-given spec fails the same launches every run.
+given spec fails the same launches every run. A launch is a kernel that made fresh outputs (not a view,
+not only in-place writes); sim's native dispatch path calls `on_launch` for launches on faulty devices
+only, so a healthy machine never enters Python per op.
 
 Switch: env ``PORTHARNESS_SIM_FAULTS`` (e.g. ``sim:1=nan:1.0;sim:0=error:0.05,hang:0.01@seed=3``,
 ``sim:1=slow:1.0@slow_s=0.002``),
@@ -32,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+
+from .native import ext
 
 FAULTS_ENV = "PORTHARNESS_SIM_FAULTS"
 KINDS = ("crash", "hang", "error", "nan", "garbage", "slow")  # new kinds go last: draws stay the same
@@ -66,6 +70,11 @@ class DeviceFaults:
 _active: dict[int, DeviceFaults] = {}
 
 
+def _sync() -> None:
+    """Tell the native dispatch path which devices call `on_launch`."""
+    ext.set_fault_hook(on_launch if _active else None, sorted(_active))
+
+
 def _device_index(device: str | int) -> int:
     if isinstance(device, int):
         return device
@@ -82,6 +91,7 @@ def set_faults(
     """Make `device` faulty, e.g. ``set_faults("sim:1", nan=1.0)``. Replaces earlier faults there."""
     idx = _device_index(device)
     _active[idx] = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s, slow_s=slow_s)
+    _sync()
 
 
 def clear_faults(device: str | int | None = None) -> None:
@@ -89,6 +99,7 @@ def clear_faults(device: str | int | None = None) -> None:
         _active.clear()
     else:
         _active.pop(_device_index(device), None)
+    _sync()
 
 
 def active_faults() -> dict[int, DeviceFaults]:
@@ -115,6 +126,7 @@ def faults(
             _active.pop(idx, None)
         else:
             _active[idx] = prev
+        _sync()
 
 
 def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
@@ -145,7 +157,7 @@ def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
 
 
 def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
-    """Called by the dispatcher after a kernel on `sim:idx` computed `outputs` (fresh, non-aliasing)."""
+    """Called by the dispatch path after a kernel on `sim:idx` computed `outputs` (fresh, non-aliasing)."""
     f = _active.get(idx)
     if f is None:
         return
@@ -182,3 +194,4 @@ def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
 
 if os.environ.get(FAULTS_ENV):
     _active.update(parse_fault_spec(os.environ[FAULTS_ENV]))
+    _sync()

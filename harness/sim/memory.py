@@ -1,9 +1,9 @@
 """Simulated device memory: per-device accounting, a configurable size, and out-of-memory errors.
 
-A sim tensor's memory is a host storage; the first time a host storage backs a sim tensor it is
-counted on that tensor's device until it is freed (``native`` wraps its DataPtr). Views share
-their base's count, as on a real device. Nothing is cached, so "reserved" equals "allocated" and
-`empty_cache` has no device memory to return (it drops sim's rounded-weight cache, host memory).
+A sim storage is host memory from sim's `c10::DeviceAllocator` (or a CPU kernel's output adopted
+without a copy), counted on its device until it is freed (``csrc/device.cpp``). Views share their
+base's count, as on a real device. Nothing is cached, so "reserved" equals "allocated" and
+`empty_cache` has nothing to return.
 
 Each device has a memory size; an allocation that would exceed it raises `torch.OutOfMemoryError`
 ("sim:N out of memory ...") the way a real device does, so OOM handling can be tested without a
@@ -18,7 +18,6 @@ DeviceAllocator in ``native``); the functions here are the `torch.sim` module's 
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -29,8 +28,6 @@ import torch
 
 from .indices import MAX_DEVICES, _index_of
 from .native import ext
-
-_precision = importlib.import_module(".precision", __package__)
 
 MEMORY_ENV = "PORTHARNESS_SIM_MEMORY_MB"
 
@@ -86,37 +83,6 @@ def memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> Iter
             ext.set_limit(i, size)
 
 
-def _fmt(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
-def out_of_memory(idx: int, nbytes: int) -> torch.OutOfMemoryError:
-    """The error an allocation of `nbytes` that does not fit on ``sim:idx`` raises."""
-    used, limit = ext.stats(idx)[0], ext.stats(idx)[7]
-    return torch.OutOfMemoryError(
-        f"sim:{idx} out of memory. Tried to allocate {_fmt(nbytes)}. sim:{idx} has a total capacity of "
-        f"{_fmt(limit)} of which {_fmt(max(limit - used, 0))} is free; {_fmt(used)} is allocated by "
-        f"tensors (simulated device memory: set {MEMORY_ENV} or harness.sim.set_memory_size() to change it)"
-    )
-
-
-def check_fits(idx: int, nbytes: int) -> None:
-    """Raise the device's OOM error before allocating `nbytes` on ``sim:idx`` if they do not fit."""
-    if not ext.fits(idx, nbytes):
-        raise out_of_memory(idx, nbytes)
-
-
-def claim(t: torch.Tensor, idx: int) -> None:
-    """Count host tensor `t`'s storage as memory of ``sim:idx`` (once per storage); OOM if it does not fit."""
-    short = ext.claim(t._cdata, idx, True)
-    if short:
-        raise out_of_memory(idx, short)
-
-
 # --- the torch.sim / torch.cuda-style memory API ---------------------------------------------------
 
 
@@ -165,8 +131,9 @@ def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
 
 
 def empty_cache() -> None:
-    """Free cached memory: sim caches no device memory, only bf16-rounded weight copies (host)."""
-    _precision.clear_cache()
+    """Free cached memory: sim caches no device memory (what is freed goes back at once), only the
+    bf16-rounded copies of parameters that ``default`` precision multiplies with (host memory)."""
+    ext.clear_round_cache()
 
 
 set_memory_size(None)  # the env var's size (or host memory) on every device; a bad value fails the import

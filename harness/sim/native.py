@@ -1,18 +1,22 @@
-"""sim's native part (``csrc/sim_device.cpp``): built on first use, cached, loaded in every process.
+"""sim's native backend (``csrc/``): built on first use, cached, loaded in every process.
 
-Why C++ at all: torch 2.13 accepts a PrivateUse1 device guard from Python, but that guard
-(torch/csrc/acc/Module.cpp) hard-codes one device and ignores setDevice, and the autograd engine
-sizes its per-device queues from it, so backward through ``sim:1`` fails; there is no Python hook
-for its deviceCount/getDevice/setDevice. ``torch.accelerator``'s memory API wants a
-``c10::DeviceAllocator`` registered for the device type, which Python cannot provide either. The
-source uses only c10 and the CPython API, so it compiles in seconds.
+sim is a PrivateUse1 backend in C++, as a real one is: its tensors are plain `torch.Tensor`s with
+dispatch key PrivateUse1 and storage from sim's `c10::DeviceAllocator` (host memory, counted per
+simulated device), and one boxed kernel serves every op (``csrc/dispatch.cpp``). What only C++ can
+give: a device guard that knows more than one device (torch's Python guard hard-codes one, and the
+autograd engine sizes its per-device queues from it), the allocator that ``torch.accelerator``'s
+memory API wants, and a dispatch path that costs no Python call per op. Python is called back only
+where a switch needs it (an injected fault); planted numerics bugs and autocast register their own
+kernels.
 
-Build: the compiler and include/library paths come from `torch.utils.cpp_extension` (``$CXX`` or
-``c++``). The library lands in ``$TORCH_EXTENSIONS_DIR`` (default: torch's extension cache,
-``~/.cache/torch_extensions``) under ``portharness_sim/<hash>/``, the hash covering the source,
-torch and Python versions and the flags, so worktrees and upgrades never share a stale build.
-An exclusive file lock makes concurrent first imports (pytest-xdist workers, spawned ranks) build
-once; the others wait and load the result. Later imports load the cached library directly.
+Build: `torch.utils.cpp_extension` supplies the compiler (``$CXX`` or ``c++``), include and library
+paths and pybind11's ABI flags. The sources compile in parallel, then link. The library lands in
+``$TORCH_EXTENSIONS_DIR`` (default: torch's extension cache, ``~/.cache/torch_extensions``) under
+``portharness_sim/<hash>/``, the hash covering the sources, torch and Python versions and the flags, so
+worktrees and upgrades never share a stale build. An exclusive file lock makes concurrent first
+imports (pytest-xdist workers, spawned ranks) build once; the others wait and load the result. Later
+imports load the cached library directly. Importing this module loads the library but registers
+nothing: `harness.sim` does, once it has checked that PrivateUse1 is free.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from types import ModuleType
 import torch
 import torch._appdirs
 
-SOURCE = Path(__file__).with_name("csrc") / "sim_device.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 CACHE_SUBDIR = "portharness_sim"
 
 
@@ -61,22 +67,30 @@ def _compiler() -> str:
     return get_cxx_compiler()
 
 
-def _flags() -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+def _compile_flags(name: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
 
-    flags = ["-O2", "-fPIC", "-shared", "-std=c++20", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    flags += [f"-I{p}" for p in [*include_paths(), sysconfig.get_path("include")]]
+    flags = ["-O2", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    return flags + [f"-I{p}" for p in [*include_paths(), sysconfig.get_path("include")]]
+
+
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
+
+    flags = ["-shared"]
     for p in library_paths():
         flags += [f"-L{p}", f"-Wl,-rpath,{p}"]
-    flags.append("-lc10")
+    flags += ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
     if sys.platform == "darwin":
         flags += ["-undefined", "dynamic_lookup"]
     return flags
 
 
-def _build_key(source: bytes) -> str:
-    h = hashlib.sha256(source)
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     # The torch install path too: the library links (rpath) against that install's libc10.
     for part in (torch.__version__, str(torch.version.git_version), os.path.dirname(torch.__file__), sys.version,
                  str(sysconfig.get_config_var("EXT_SUFFIX")), sys.platform):
@@ -97,29 +111,45 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _run(cmds: list[list[str]]) -> None:
+    """Run the compiler commands in parallel; RuntimeError with the first failure's output."""
+    procs = [(cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for cmd in cmds]
+    failed = None
+    for cmd, proc in procs:
+        _out, err = proc.communicate()
+        if proc.returncode != 0 and failed is None:
+            failed = (cmd, proc.returncode, err)
+    if failed is not None:
+        cmd, code, err = failed
+        raise RuntimeError(f"building the sim native backend failed (compiler exit {code}):\n  {' '.join(cmd)}\n"
+                           f"{err[-4000:]}")
+
+
 def _compile(name: str, out: Path) -> None:
     cxx = _compiler()
     if shutil.which(cxx) is None:
         raise RuntimeError(
-            f"the sim backend needs a C++ compiler to build its device runtime ({SOURCE.name}) once, on first "
-            f"use, and found none ({cxx!r} is not on PATH). Install g++ or clang++, or set CXX to one; the build "
-            f"is cached under {out.parent.parent}."
+            f"the sim backend needs a C++ compiler to build its native part ({CSRC.name}/) once, on first use, "
+            f"and found none ({cxx!r} is not on PATH). Install g++ or clang++, or set CXX to one; the build is "
+            f"cached under {out.parent.parent}."
         )
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    cmd = [cxx, str(SOURCE), "-o", str(tmp), f"-DTORCH_EXTENSION_NAME={name}", *_flags()]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    tag = f"{os.getpid()}.tmp"
+    objects = [out.with_name(f"{src.stem}.{tag}.o") for src in SOURCES]
+    tmp = out.with_name(f"{out.name}.{tag}")
+    try:
+        flags = _compile_flags(name)
+        _run([[cxx, "-c", str(src), "-o", str(obj), *flags] for src, obj in zip(SOURCES, objects, strict=True)])
+        _run([[cxx, *map(str, objects), "-o", str(tmp), *_link_flags()]])
+        os.replace(tmp, out)  # atomic: a concurrent reader sees no library or a complete one
+    finally:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(
-            f"building the sim device runtime failed (compiler exit {proc.returncode}):\n  {' '.join(cmd)}\n"
-            f"{proc.stderr[-4000:]}"
-        )
-    os.replace(tmp, out)  # atomic: a concurrent reader sees no library or a complete one
+        for obj in objects:
+            obj.unlink(missing_ok=True)
 
 
 def library_path() -> Path:
     """Where the compiled library for this source/torch/Python lives (built or not)."""
-    key = _build_key(SOURCE.read_bytes())
+    key = _build_key()
     name = f"portharness_sim_{key}"
     return _cache_root() / key / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
 

@@ -16,19 +16,26 @@ kind                    what the kernel does wrong                              
 ======================= ==================================================================== ============
 
 Switch: env ``PORTHARNESS_SIM_NUMERICS`` (comma-separated kinds), `set_numerics_bugs()`, or the
-`numerics_bugs()` context manager. `numerics_hits()` counts, per op, the calls where the planted bug
+`numerics_bugs()` context manager. A planted bug is a Python kernel registered for its ops on sim's
+device key while the switch is on (over the native one, which comes back when it is off); it runs on
+host views of the sim tensors and hands its results to the device without copies. `numerics_hits()` counts, per op, the calls where the planted bug
 changed the result beyond fp32 rounding (4 ulp of its magnitude): a model whose sums are all over
 integers, or whose GELU inputs are all tiny, calls the op without exercising the bug.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils._pytree import tree_map
+
+from .native import ext
 
 NUMERICS_ENV = "PORTHARNESS_SIM_NUMERICS"
 aten = torch.ops.aten
@@ -133,8 +140,8 @@ def _parse(spec: str) -> tuple[str, ...]:
     return _validate(tuple(k.strip() for k in spec.split(",") if k.strip()))
 
 
-_active: tuple[str, ...] = _parse(os.environ.get(NUMERICS_ENV, ""))
-_listeners: list[Callable[[], None]] = []  # the dispatcher drops its cached per-op facts on a change
+_active: tuple[str, ...] = ()
+_lib: torch.library.Library | None = None  # the kernels of the planted bugs, while any is on
 
 
 _hits: dict[str, int] = {}
@@ -154,9 +161,13 @@ def _changed(bugged: object, right: object) -> bool:
     return False
 
 
-def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
+def _op_name(func: torch._ops.OpOverload) -> str:
     ov = func._overloadname
-    name = func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"
+    return func._schema.name if ov == "default" else f"{func._schema.name}.{ov}"
+
+
+def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
+    name = _op_name(func)
 
     def run(*args, **kwargs):
         out = impl(*args, **kwargs)
@@ -167,13 +178,48 @@ def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
     return run
 
 
-def impl_for(func: torch._ops.OpOverload) -> Callable | None:
-    """The buggy host implementation of `func` under the active bugs, if any."""
-    for kind in _active:
-        impl = BUGS[kind].get(func)
-        if impl is not None:
-            return _counted(func, impl)
-    return None
+def _device_kernel(func: torch._ops.OpOverload, impl: Callable) -> Callable:
+    """`impl` (on host tensors) as func's kernel on sim: entered like a native kernel (trace, profile),
+    run on host views, its results adopted by the first argument's device, faults drawn as for any launch."""
+    faults = importlib.import_module(".faults", __package__)  # `harness.sim.faults` is also a function
+    name, overload = func._schema.name, func._overloadname
+    run = _counted(func, impl)
+
+    def kernel(*args, **kwargs):
+        ext.enter_op(name, "" if overload == "default" else overload)
+        devices = [x.device.index for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        idx = devices[0] if devices else ext.current_device()
+        host = tree_map(lambda x: ext.host_view(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        out = run(*host[0], **host[1])
+        fresh: list[torch.Tensor] = []
+
+        def adopt(x):
+            if isinstance(x, torch.Tensor):
+                fresh.append(ext.adopt(x, idx))
+                return fresh[-1]
+            return x
+
+        result = tree_map(adopt, out)
+        if idx in faults.active_faults() and fresh:
+            faults.on_launch(idx, fresh)
+        return result
+
+    return kernel
+
+
+def _register(kinds: tuple[str, ...]) -> None:
+    global _lib
+    if _lib is not None:
+        _lib._destroy()
+        _lib = None
+    if not kinds:
+        return
+    _lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        for kind in kinds:
+            for func, impl in BUGS[kind].items():
+                _lib.impl(func, _device_kernel(func, impl), "PrivateUse1")
 
 
 def numerics_hits() -> dict[str, int]:
@@ -192,9 +238,10 @@ def get_numerics_bugs() -> tuple[str, ...]:
 def set_numerics_bugs(*kinds: str) -> None:
     """Plant these bugs (none: every kernel correct again)."""
     global _active
-    _active = _validate(tuple(kinds))
-    for notify in _listeners:
-        notify()
+    kinds = _validate(tuple(kinds))
+    if kinds != _active:
+        _register(kinds)
+        _active = kinds
 
 
 @contextmanager
@@ -206,3 +253,9 @@ def numerics_bugs(*kinds: str) -> Iterator[None]:
         yield
     finally:
         set_numerics_bugs(*prev)
+
+
+def plant_from_env() -> None:
+    """Plant the bugs ``PORTHARNESS_SIM_NUMERICS`` names (once sim's native kernels are registered: the
+    bugs' kernels must go on top of them)."""
+    set_numerics_bugs(*_parse(os.environ.get(NUMERICS_ENV, "")))

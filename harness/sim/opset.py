@@ -15,7 +15,9 @@ Any other value is read as a path to a profile file. An op outside the profile r
 PrivateUse1 backend raises for a missing kernel, so tooling parses both the same way. So does an
 op in the profile for which the host (CPU) reference itself has no kernel.
 
-Switch: env ``PORTHARNESS_SIM_OPS``, `set_op_profile()`, or the `op_profile()` context manager.
+Switch: env ``PORTHARNESS_SIM_OPS``, `set_op_profile()`, or the `op_profile()` context manager. The
+active profile lives in sim's native dispatch path, which checks every op against it;
+`start_trace`/`stop_trace` record the ops that path saw (the op census).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from .native import ext
 
 OPS_ENV = "PORTHARNESS_SIM_OPS"
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -47,6 +51,7 @@ ALWAYS_ALLOWED = frozenset(
         "aten::set_.source_Storage_storage_offset",
         "aten::set_.source_Storage",
         "aten::resize_",
+        "aten::lift_fresh_copy",  # torch.tensor(..., device=...) inside a compiled graph
     }
 )
 
@@ -95,8 +100,6 @@ class OpProfile:
                 )
             self.ops = read_profile(path) | ALWAYS_ALLOWED
         self._cache: dict[torch._ops.OpOverload, bool] = {}
-        # id(OpOverload) -> the dispatcher's per-op facts under this profile (filled by harness.sim.tensor)
-        self._facts: dict[int, object] = {}
 
     def allows(self, func: torch._ops.OpOverload) -> bool:
         hit = self._cache.get(func)
@@ -139,7 +142,19 @@ def resolved_profiles() -> list[OpProfile]:
     return list(_resolved.values())
 
 
-_profile = resolve(os.environ.get(OPS_ENV, "young"))
+_applied: OpProfile | None = None
+
+
+def _apply(profile: OpProfile) -> OpProfile:
+    """Make `profile` the one the native dispatch path checks (a no-op if it already is)."""
+    global _applied
+    if profile is not _applied:
+        ext.set_profile(None if profile.ops is None else sorted(profile.ops), profile.name)
+        _applied = profile
+    return profile
+
+
+_profile = _apply(resolve(os.environ.get(OPS_ENV, "young")))
 
 
 def get_op_profile() -> OpProfile:
@@ -148,18 +163,28 @@ def get_op_profile() -> OpProfile:
 
 def set_op_profile(name: str) -> None:
     global _profile
-    _profile = resolve(name)
+    _profile = _apply(resolve(name))
 
 
 @contextmanager
 def op_profile(name: str) -> Iterator[None]:
     """Run the block with another op profile (``full``, ``young``, or a file path)."""
     global _profile
-    prev, _profile = _profile, resolve(name)
+    prev, _profile = _profile, _apply(resolve(name))
     try:
         yield
     finally:
-        _profile = prev
+        _profile = _apply(prev)
+
+
+def start_trace() -> None:
+    """Record every op sim's dispatch path sees from now on (see `stop_trace`)."""
+    ext.start_trace()
+
+
+def stop_trace() -> set[str]:
+    """Stop recording; the op names seen (``aten::name.overload``; the default overload is ``aten::name``)."""
+    return set(ext.stop_trace())
 
 
 def unsupported_error(

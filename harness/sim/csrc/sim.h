@@ -1,0 +1,84 @@
+// What the parts of sim's native backend share (see harness/sim/native.py for the why of each part).
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/StorageImpl.h>
+
+#include <cstddef>
+#include <string>
+
+namespace sim {
+
+constexpr auto kSim = c10::DeviceType::PrivateUse1;
+constexpr int kMaxDevices = 64;
+
+// The simulated device count (PORTHARNESS_SIM_DEVICES, read live) and this thread's current device.
+int device_count() noexcept;
+c10::DeviceIndex current_device() noexcept;
+void set_current_device(c10::DeviceIndex index) noexcept;
+// `index` if it names a simulated device, else the error torch.sim raises for it.
+int check_index(int index);
+
+// ---- memory ----------------------------------------------------------------------------------------
+// A sim storage holds host memory counted on its device until the storage dies. Its DataPtr's context
+// is a Block: the host memory is owned by `host` (allocator, resize) or kept alive by `keep` (a CPU
+// kernel's output adopted without a copy).
+c10::Allocator* allocator();
+bool account_alloc(int dev, size_t bytes, bool enforce);
+void account_free(int dev, size_t bytes);
+[[noreturn]] void throw_oom(int dev, size_t bytes);
+c10::DataPtr device_data(c10::DataPtr host, c10::intrusive_ptr<c10::StorageImpl> keep, void* data, int dev,
+                         size_t bytes);
+bool is_device_data(const c10::DataPtr& dp);
+
+// ---- dispatch (dispatch.cpp) -----------------------------------------------------------------------
+void register_dispatch();
+
+}  // namespace sim
+
+namespace sim {
+// Memory counters of a device: bytes current, peak, allocated, freed; blocks current, peak; OOMs; limit.
+struct MemoryStats {
+  int64_t current, peak, allocated, freed, blocks, blocks_peak, num_ooms, limit;
+};
+MemoryStats memory_stats(int dev);
+void set_memory_limit(int dev, int64_t bytes);
+bool fits(int dev, int64_t bytes);  // counts an OOM when they do not
+void reset_peak(int dev);
+void reset_accumulated(int dev);
+int64_t current_stream(int dev);
+void set_stream(int dev, int64_t id);
+void register_device();  // the device guard and the DeviceAllocator
+}  // namespace sim
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace sim {
+// The switches the dispatch path reads (each set from Python, see harness/sim/*.py).
+void set_profile(std::optional<std::vector<std::string>> ops, const std::string& name);  // nullopt: every op
+void set_reduced_precision(bool on);
+void clear_round_cache();
+void set_fallback_cpu(bool on);
+std::vector<std::pair<std::string, int64_t>> fallback_counts();
+void reset_fallback_counts();
+void start_trace();
+std::vector<std::string> stop_trace();
+// Devices with injected faults get `hook(device, fresh outputs)` after every kernel that made some.
+using LaunchHook = void (*)(int dev, const std::vector<at::Tensor>& fresh);
+void set_launch_hook(LaunchHook hook, uint64_t faulty_devices);
+// Python kernels (planted bugs) report their op like the native path does: traced, profile-checked.
+void enter_op(const std::string& qualified_name, const std::string& overload);
+
+// Host memory of a sim tensor as a CPU tensor (keeps the device memory alive), and the reverse: a
+// CPU tensor's memory as a sim tensor on `dev`, without a copy.
+at::Tensor host_view(const at::Tensor& t);
+at::Tensor adopt(const at::Tensor& cpu, int dev);
+at::Generator generator(int dev);
+}  // namespace sim
