@@ -7,14 +7,16 @@ entries were choices. The rules (also written into the file's header):
 2. Plus every op that real tiny transformers models dispatch on sim (inference forward, training
    forward + backward of a cross-entropy + squared loss, one AdamW step, greedy ``generate`` for
    the generative heads), traced with
-   ``harness.sim.tensor.start_trace/stop_trace`` under ``op_profile("full")`` over `MODELS`:
+   ``harness.sim.opset.start_trace/stop_trace`` under ``op_profile("full")`` over `MODELS`:
    text encoders/decoders/seq2seq, vision (ViT/ConvNeXt/Swin/...), speech (wav2vec2/whisper/...),
    each built from ``AutoConfig.for_model(model_type)`` with every size shrunk. These are the
    view/copy/in-place/fused ops eager backends must have that core ATen leaves out.
 3. Plus the in-place/functional sibling of every op so far (``add.Tensor`` <-> ``add_.Tensor``:
    same arguments, ``name`` vs ``name_``): an eager backend writes the pair as one kernel, and
-   optimizers and user code need the in-place half. ``out=`` variants are not added: models do
-   not call them, and young backends (functionalization-based ones in particular) skip them.
+   optimizers and user code need the in-place half. And the per-tensor op under every ``_foreach_``
+   op (``_foreach_lerp_.Scalar`` -> ``lerp``/``lerp_``): a backend writes the list kernel over the
+   single-tensor one. ``out=`` variants are not added: models do not call them, and young backends
+   (functionalization-based ones in particular) skip them.
 4. Plus the ops every profile has (``harness.sim.opset.ALWAYS_ALLOWED``).
 5. Minus `NOT_YET_IMPLEMENTED`: the long tail young backends really lack, by packet (all
    overloads, backward included). Tuned so that a real share of the tiny zoo (roughly 10-30%) hits
@@ -42,7 +44,7 @@ from harness.models.inputs import make_inputs
 from harness.models.outputs import output_tensors
 from harness.models.tiny import build_tiny
 from harness.sim import opset
-from harness.sim import tensor as sim_tensor
+from harness.sim import opset as sim_opset
 
 PROFILE = Path(opset.PROFILE_DIR) / "young.txt"
 
@@ -292,18 +294,38 @@ def inplace_siblings(names: set[str]) -> set[str]:
     return out
 
 
+def foreach_singles(names: set[str]) -> set[str]:
+    """Rule 3, second half: every non-out overload of ``x``/``x_`` for each ``aten::_foreach_x[_].ov``."""
+    out = set()
+    for name in names:
+        packet_name = name.split("::", 1)[1].split(".", 1)[0]
+        if not packet_name.startswith("_foreach_"):
+            continue
+        base = packet_name.removeprefix("_foreach_").rstrip("_")
+        for single in (base, base + "_"):
+            packet = getattr(torch.ops.aten, single, None)
+            if packet is None:
+                continue
+            for o in packet.overloads():
+                op = getattr(packet, o)
+                takes_tensors = any(isinstance(a.type, torch.TensorType) for a in op._schema.arguments)
+                if takes_tensors and not _is_out_variant(op):
+                    out.add(f"aten::{single}.{o}")
+    return out
+
+
 def _full_name(name: str) -> str:
     """Trace names use ``aten::x`` for the default overload; the profile spells it ``aten::x.default``."""
     return name if "." in name.split("::", 1)[1] else f"{name}.default"
 
 
 def _traced(fn) -> tuple[set[str], str | None]:
-    sim_tensor.start_trace()
+    sim_opset.start_trace()
     try:
         fn()
     except Exception as e:
-        return {_full_name(n) for n in sim_tensor.stop_trace()}, f"{type(e).__name__}: {str(e)[:120]}"
-    return {_full_name(n) for n in sim_tensor.stop_trace()}, None
+        return {_full_name(n) for n in sim_opset.stop_trace()}, f"{type(e).__name__}: {str(e)[:120]}"
+    return {_full_name(n) for n in sim_opset.stop_trace()}, None
 
 
 def trace_model(model_type: str, task: str) -> tuple[set[str], list[str]]:
@@ -398,7 +420,7 @@ def build(verbose: bool = True) -> tuple[list[str], dict]:
             problems[f"{model_type}/{task}"] = probs
         for op in ops:
             used_by.setdefault(op, set()).add(f"{model_type}/{task}")
-    siblings = inplace_siblings(core | traced) - core - traced
+    siblings = (inplace_siblings(core | traced) | foreach_singles(core | traced)) - core - traced
     always = set(opset.ALWAYS_ALLOWED)  # as spelled there: some are packets on purpose (view, detach...)
     candidates = core | traced | siblings | always
 
@@ -434,8 +456,8 @@ def render(lines: list[str], facts: dict) -> str:
         f"#   2. + ops {len(MODELS)} tiny transformers models dispatch on sim: inference forward, training",
         f"#      forward+backward, one AdamW step, greedy generate ({facts['traced']} ops, "
         f"{facts['traced_not_core']} not in core).",
-        f"#   3. + the in-place/functional sibling of each (add.Tensor <-> add_.Tensor; no out=) "
-        f"({facts['siblings']}).",
+        "#   3. + the in-place/functional sibling of each (add.Tensor <-> add_.Tensor; no out=), and the",
+        f"#      per-tensor op under each _foreach_ op (_foreach_lerp_.Scalar -> lerp, lerp_) ({facts['siblings']}).",
         "#   4. + harness.sim.opset.ALWAYS_ALLOWED.",
         "#   5. - the 'not yet implemented' list below (whole packets, backward included).",
         "#",
