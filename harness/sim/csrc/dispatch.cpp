@@ -569,8 +569,9 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t nret = schema.returns().size();
   const size_t ret_begin = stack->size() - nret;
   const bool to_host = call.target.has_value() && call.target->type() != kSim;
+  const bool faulty_dev = (faulty.load(std::memory_order_relaxed) >> dev) & 1u;
   std::vector<at::Tensor> fresh;
-  std::unordered_map<c10::StorageImpl*, c10::Storage> adopted;
+  c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> adopted;  // outputs may share a storage
   auto out_of = [&](at::Tensor t) -> at::Tensor {
     if (!t.defined() || !t.device().is_cpu()) return t;
     c10::StorageImpl* s = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
@@ -583,10 +584,13 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (to_host || s == nullptr) return t;
     if (histc_dtype.has_value()) t = t.to(*histc_dtype);
     s = t.storage().unsafeGetStorageImpl();
-    auto hit = adopted.find(s);
-    if (hit == adopted.end()) hit = adopted.emplace(s, adopt_storage(t.storage(), dev)).first;
-    at::Tensor out = on_storage(hit->second, t, kSimKeys, false);
-    fresh.push_back(out);
+    c10::Storage* storage = nullptr;
+    for (auto& [cpu, sim] : adopted) {
+      if (cpu == s) storage = &sim;
+    }
+    if (storage == nullptr) storage = &adopted.emplace_back(s, adopt_storage(t.storage(), dev)).second;
+    at::Tensor out = on_storage(*storage, t, kSimKeys, false);
+    if (faulty_dev) fresh.push_back(out);
     return out;
   };
   for (size_t r = 0; r < nret; ++r) {
@@ -606,7 +610,7 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       v = IValue(std::move(out));
     }
   }
-  if (!fresh.empty() && (faulty.load(std::memory_order_relaxed) >> dev) & 1u) {
+  if (!fresh.empty()) {
     LaunchHook hook = launch_hook.load();
     if (hook != nullptr) hook(dev, fresh);
   }
