@@ -65,7 +65,7 @@ def test_injected_nan_is_drift_localized_to_a_module() -> None:
 
 
 def test_flex_attention_is_an_unsupported_op() -> None:
-    code, row, _ = check("tiny/llama/causal-lm", "--precision", "highest", "--attn", "flex_attention")
+    code, row, _ = check("tiny/llama/causal-lm", "--precision", "highest", "--ops", "full", "--attn", "flex_attention")
     assert code == 1
     assert row["outcome"] == "unsupported_op"
     assert row["unsupported_op"] == "flex_attention"

@@ -137,11 +137,26 @@ def test_compiled_forward_matches_cpu(backend):
     torch.testing.assert_close(again.cpu(), ref, rtol=0, atol=0)
 
 
-def test_inductor_is_refused_clearly():
+def test_inductor_generates_kernels_for_sim_and_matmuls_keep_its_precision():
+    from torch._inductor.utils import run_and_get_code
+
+    cpu = build_tiny("gpt2", "causal-lm").eval()
+    dev = build_tiny("gpt2", "causal-lm").eval().to("sim:1")
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
-    f = torch.compile(lambda x: x.sin() + 1)  # default backend: Inductor
-    with pytest.raises(Exception, match="Inductor backend has no code generator for the sim backend"):
-        f(torch.ones(4, device="sim"))
+    compiled = torch.compile(dev)  # default backend: Inductor
+    with torch.no_grad():
+        with sim.precision("highest"):
+            out, code = run_and_get_code(compiled, input_ids=ids.to("sim:1"))
+        with sim.precision("default"):
+            rounded, eager = compiled(input_ids=ids.to("sim:1")).logits, dev(input_ids=ids.to("sim:1")).logits
+        ref = cpu(input_ids=ids).logits
+    assert out.logits.device == torch.device("sim:1")
+    assert "cpp_fused" in code[0] and "device='sim:1'" in code[0]  # generated C++ kernels, buffers on sim:1
+    torch.testing.assert_close(out.logits.cpu(), ref)  # fused fp32 code: within fp32 rounding of eager
+    # matmuls are ATen calls from compiled code too: at default they see bf16 operands, as in eager mode
+    assert (rounded.cpu() - ref).abs().max() > 100 * (out.logits.cpu() - ref).abs().max()
+    torch.testing.assert_close(rounded.cpu(), eager.cpu())
 
 
 def test_training_on_the_second_device_matches_cpu():

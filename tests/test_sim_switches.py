@@ -246,6 +246,8 @@ def test_transformers_flex_attention_model_fails_naming_it():
         vocab_size=64,
     )
     model = AutoModel.from_config(cfg, attn_implementation="flex_attention").to("sim")
-    with pytest.raises(Exception, match="FlexAttention .*is not supported on the sim backend") as info:
+    # transformers compiles the block mask with Inductor (which serves sim), then FlexAttention itself
+    # refuses the device; on 'young' the block mask's sort comes first, a missing op of its own
+    with sim.op_profile("full"), pytest.raises(Exception, match="FlexAttention is only supported on") as info:
         model(torch.randint(0, 64, (1, 8)).to("sim"))
     assert "AssertionError" not in str(info.value)

@@ -4,12 +4,9 @@
 RNG hooks used by `torch.manual_seed`, AMP dtypes). Simulated devices are independent: each has its
 own current-device slot and its own RNG, so seeding `sim:1` never perturbs `sim:0`.
 
-Like most young backends, sim has no torch.compile (Inductor) code generator. Inductor looks for one
-in this module (`Scheduling`, `PythonWrapperCodegen`, `CppWrapperCodegen`, `WrapperFxCodegen`);
-without them it dies on an internal AssertionError, so these stand-ins raise a clear
-`NotImplementedError` instead. That is also how FlexAttention fails when it reaches sim through
-compilation (transformers' ``attn_implementation="flex_attention"`` compiles `create_block_mask`):
-the message names it.
+Inductor looks for a device's code generators in this module (`Scheduling`, `PythonWrapperCodegen`,
+`CppWrapperCodegen`, `WrapperFxCodegen`): sim's are Inductor's CPU ones (``inductor``), loaded on
+first use.
 
 The current device (and stream) is per thread, as on CUDA, and lives in the native device guard
 (``native``), so `torch.sim.set_device`, `torch.accelerator.set_device_index` and the autograd
@@ -19,7 +16,6 @@ are re-exported here because this module is `torch.sim`.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -195,35 +191,13 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True  # bf16 kernels are the CPU's
 
 
-def _no_compiler_message() -> str:
-    flex = any("flex_attention" in f.filename for f in traceback.extract_stack())
-    if flex:
-        return (
-            "FlexAttention (torch.nn.attention.flex_attention) is not supported on the sim backend: it "
-            "needs torch.compile's Inductor code generator, which sim does not have. Use "
-            "attn_implementation='sdpa' or 'eager' instead."
-        )
-    return (
-        "torch.compile's Inductor backend has no code generator for the sim backend (sim runs eagerly "
-        "only); run eagerly or compile with backend='eager' / 'aot_eager'."
-    )
+_INDUCTOR = ("Scheduling", "PythonWrapperCodegen", "CppWrapperCodegen", "WrapperFxCodegen")
 
 
-class _NoInductorMeta(type):
-    def __getattr__(cls, name: str) -> object:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise NotImplementedError(_no_compiler_message())
+def __getattr__(name: str) -> object:
+    """Inductor's code generators for sim (``harness.sim.inductor``), imported when Inductor first asks."""
+    if name in _INDUCTOR:
+        from .inductor import CODEGEN
 
-
-class _NoInductor(metaclass=_NoInductorMeta):
-    """Stands in for each Inductor codegen class: any use of it means Inductor is compiling for sim."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(_no_compiler_message())
-
-
-Scheduling = _NoInductor
-PythonWrapperCodegen = _NoInductor
-CppWrapperCodegen = _NoInductor
-WrapperFxCodegen = _NoInductor
+        return CODEGEN[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,6 +62,7 @@ struct OpInfo {
   std::string display;  // aten::add.Tensor; the default overload is just aten::add
   std::string base;     // aten::add: a profile entry for every overload
   std::string full;     // aten::add.default / aten::add.Tensor
+  std::vector<std::string> functional;  // for an out= overload: its functional overloads (one kernel serves both)
   std::atomic<uint64_t> profile_gen{0};
   std::atomic<bool> allowed{true};
   std::atomic<uint64_t> traced_in{0};  // the trace that last recorded it
@@ -100,6 +101,35 @@ bool is_optional_generator(const c10::TypePtr& type) {
   return type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType;
 }
 
+// Overload names per op name (aten::add -> Tensor, Scalar, out...), read from the dispatcher once.
+const std::unordered_map<std::string, std::vector<std::string>>& overloads() {
+  static const auto* table = [] {
+    auto* out = new std::unordered_map<std::string, std::vector<std::string>>();
+    for (const c10::OperatorName& n : c10::Dispatcher::singleton().getAllOpNames()) {
+      (*out)[n.name].push_back(n.overload_name);
+    }
+    return out;
+  }();
+  return *table;
+}
+
+// The arguments of an overload other than its out= ones: equal for an out= variant and its functional form.
+std::vector<std::pair<std::string, std::string>> non_out_args(const c10::FunctionSchema& s) {
+  std::vector<std::pair<std::string, std::string>> key;
+  for (const auto& a : s.arguments()) {
+    if (a.kwarg_only() && a.alias_info() != nullptr && a.alias_info()->isWrite()) continue;
+    key.emplace_back(a.name(), a.type()->str());
+  }
+  return key;
+}
+
+bool is_out_variant(const c10::FunctionSchema& s) {
+  for (const auto& a : s.arguments()) {
+    if (a.kwarg_only() && a.alias_info() != nullptr && a.alias_info()->isWrite()) return true;
+  }
+  return false;
+}
+
 OpInfo* make_info(const c10::OperatorHandle& op) {
   const c10::FunctionSchema& s = op.schema();
   auto* info = new OpInfo();
@@ -108,6 +138,17 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
   info->base = s.name();
   info->full = info->base + "." + (ov.empty() ? "default" : ov);
   info->display = ov.empty() ? info->base : info->base + "." + ov;
+  if (is_out_variant(s)) {  // compiled code calls out= variants (extern kernels writing Inductor's buffers)
+    auto key = non_out_args(s);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    auto it = overloads().find(info->base);
+    for (const std::string& other : it == overloads().end() ? std::vector<std::string>{} : it->second) {
+      auto h = dispatcher.findOp({info->base, other});
+      if (h.has_value() && h->hasSchema() && !is_out_variant(h->schema()) && non_out_args(h->schema()) == key) {
+        info->functional.push_back(info->base + "." + (other.empty() ? "default" : other));
+      }
+    }
+  }
   const auto& args = s.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::AliasInfo* alias = args[i].alias_info();
@@ -129,6 +170,9 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
     info->return_arg.push_back(arg);
   }
   auto r = reduced_ops().find(info->full);
+  for (size_t k = 0; r == reduced_ops().end() && k < info->functional.size(); ++k) {
+    r = reduced_ops().find(info->functional[k]);  // mm.out multiplies like mm
+  }
   if (r != reduced_ops().end()) info->reduced = r->second;
   info->cross_ok = kCrossDevice.count(info->full) > 0;
   info->cpu_indices_ok = kCpuIndices.count(info->full) > 0;
@@ -188,6 +232,7 @@ bool allowed(OpInfo& info) {
   if (info.profile_gen.load(std::memory_order_acquire) != gen) {
     std::lock_guard<std::mutex> lock(switch_mutex);
     bool ok = profile_ops == nullptr || profile_ops->count(info.base) > 0 || profile_ops->count(info.full) > 0;
+    for (const std::string& f : info.functional) ok = ok || profile_ops->count(f) > 0;
     info.allowed.store(ok, std::memory_order_relaxed);
     info.profile_gen.store(profile_gen.load(), std::memory_order_release);
   }
