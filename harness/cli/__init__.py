@@ -18,14 +18,16 @@ __all__ = ["build_parser", "collectives_config", "main"]
 
 
 def _is_input_error(e: Exception) -> bool:
-    """Bad input the user can fix (list, id, DB, settings, file, hub): a message, not a traceback.
+    """Bad input the user can fix (list, id, DB, settings, file, hub, an output that cannot be written): a
+    message, not a traceback.
 
     Classes are looked up only once something failed: `report` or `diff` shouldn't pay for importing
     torch (via harness.models.load) at start-up."""
+    from harness.files import OutputError
     from harness.models.model_list import ModelListError, UnknownModelError
     from harness.results.dbfile import StoreError
 
-    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError | FileNotFoundError):
+    if isinstance(e, ModelListError | UnknownModelError | StoreError | OutputError | ValueError | FileNotFoundError):
         return True
     load = sys.modules.get("harness.models.load")
     return load is not None and isinstance(e, load.LoadError)

@@ -9,11 +9,10 @@ import sys
 
 def collectives_config(args: argparse.Namespace):
     """The benchmark configuration `portharness collectives` arguments describe (validated)."""
-    from harness.backends import backend_modules, load_backends
     from harness.bench import collectives as bench
+    from harness.cli.guard import load_backends_guarded
 
-    modules = backend_modules(args.backend)
-    load_backends(modules)
+    modules = load_backends_guarded(args.backend, args.backend_timeout)
     cfg = bench.BenchConfig(
         target=args.target, world_size=args.world_size, repeats=args.repeats, warmup=args.warmup, ddp=args.ddp,
         backends=modules,
