@@ -1,8 +1,9 @@
 """`portharness` command line. Options live in `options.py` (each once); each command calls a stage's API.
 
 One exit-code policy for all commands: 0 = success (for `check`: the model passed, within fp32 or the
-declared precision), 1 = the check, diff or run found a problem, 2 = bad input (one line on stderr,
-nothing written), 130 = Ctrl-C, 143 = SIGTERM.
+declared precision), 1 = the check, diff or run found a problem (or a run's DB stopped taking rows after
+some were saved: --resume), 2 = bad input or an output that cannot be written (one line on stderr, nothing
+written, no old file touched), 130 = Ctrl-C, 143 = SIGTERM.
 """
 
 from __future__ import annotations

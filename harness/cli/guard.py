@@ -30,7 +30,7 @@ sys.path[:] = json.loads(sys.argv[2])  # the CLI's own import path (-I left out 
 def say(**kw):
     report.write(json.dumps(kw) + "\n")
     report.flush()
-for name in sys.argv[3:]:
+for name in ["torch", *sys.argv[3:]]:  # torch first, as in the CLI: its entry-point backends load with it
     say(start=name)
     before = os.fstat(1).st_size
     try:
@@ -65,8 +65,9 @@ def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]
     read, write = os.pipe()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", _PROBE, str(write), json.dumps(sys.path), *modules], stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, pass_fds=(write,), start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-I", "-c", _PROBE, str(write), json.dumps(sys.path), *modules],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(write,),
+                                    start_new_session=True)
         finally:
             os.close(write)
         try:
@@ -79,8 +80,8 @@ def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]
         finally:
             with os.fdopen(read) as fh:
                 events = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
-    current = next((e["start"] for e in reversed(events) if "start" in e), modules[0])
-    flag = f"--backend {current}"
+    current = next((e["start"] for e in reversed(events) if "start" in e), "torch")
+    flag = f"--backend {current}" if current != "torch" else "torch (with the backends its entry points load)"
     for e in events:
         if "exit" in e:
             raise BackendImportError(f"{flag}: importing it called sys.exit({e['code']}); nothing was run. A backend "
@@ -96,7 +97,7 @@ def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]
     if not any("ok" in e for e in events):
         what = f"killed the process ({_signal_name(-rc)})" if rc < 0 else f"ended the process (exit code {rc}, e.g. os._exit)"
         raise BackendImportError(f"{flag}: importing it {what}; nothing was run")
-    return [e["done"] for e in events if e.get("printed")]
+    return [e["done"] for e in events if e.get("printed") and e["done"] != "torch"]
 
 
 @contextlib.contextmanager

@@ -109,6 +109,7 @@ def _migrations(con: sqlite3.Connection) -> list[str]:
         have = _columns(con, t.name)
         if not have:
             stmts.append(create_sql(t))
+            continue
         stmts += [f"ALTER TABLE {t.name} ADD COLUMN {c} {SQL_TYPES[typ]}" for c, typ in t.types.items() if c not in have]
     have = _columns(con, "runs")
     stmts += [f"ALTER TABLE runs ADD COLUMN {c} TEXT NOT NULL DEFAULT ''" for c in RUN_COLUMNS if c not in have]
