@@ -121,6 +121,20 @@ def _mode_for(dest: Path) -> int:
         return 0o666 & ~_umask()
 
 
+def _link(tmp: Path, dest: Path) -> None:
+    """`tmp` becomes `dest` unless `dest` exists (FileExistsError): a hard link is atomic and never
+    clobbers what another process created meanwhile; where the file system has none, a rename after a
+    look (a narrow race, on such file systems only)."""
+    try:
+        os.link(tmp, dest)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise
+        if dest.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(dest)) from None
+        os.rename(tmp, dest)
+
+
 def _remove(*paths: Path) -> None:
     for p in paths:
         with contextlib.suppress(OSError):
@@ -146,7 +160,7 @@ def atomic_path(path: str | os.PathLike, *, exclusive: bool = False) -> Iterator
         os.chmod(tmp, _mode_for(dest))
         _fsync(tmp)
         if exclusive:
-            os.link(tmp, dest)  # atomic and never clobbers: another process may have created it meanwhile
+            _link(tmp, dest)
         else:
             os.replace(tmp, dest)
         _fsync_dir(dest.parent)

@@ -39,10 +39,19 @@ def collective_faults_config(args: argparse.Namespace):
     return cfg
 
 
+def _check_db(args: argparse.Namespace) -> None:
+    """--db can take the rows, checked before the benchmark runs (not after minutes of it)."""
+    if args.db:
+        from harness.results.store import check_writable
+
+        check_writable(args.db)
+
+
 def cmd_collective_faults(args: argparse.Namespace) -> int:
     from harness.bench import faultmatrix
 
     cfg = collective_faults_config(args)
+    _check_db(args)
     matrix = faultmatrix.run_matrix(cfg)
     run_id = faultmatrix.record(matrix, args.db, argv=" ".join(sys.argv)) if args.db else None
     if args.json:
@@ -60,6 +69,7 @@ def cmd_collectives(args: argparse.Namespace) -> int:
     if args.faults is not None:
         return cmd_collective_faults(args)
     cfg = collectives_config(args)
+    _check_db(args)
     try:
         result = bench.run_benchmark(cfg)
     except Exception as exc:  # a rank died: spawn re-raises its traceback

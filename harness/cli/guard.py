@@ -13,13 +13,16 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 DEFAULT_TIMEOUT_S = 120.0
+TORCH_S = 300.0  # torch's own import (and its entry-point backends) on a slow, busy host
 
 # The child: imports each module in order, reporting on its own pipe (fd argv[1]) what happened, and how
 # many bytes each one printed to stdout (a file, so the count is its size).
@@ -59,6 +62,27 @@ def _signal_name(sig: int) -> str:
         return f"signal {sig}"
 
 
+def _events(proc: subprocess.Popen, read: int, timeout_s: float) -> tuple[list[dict], bool]:
+    """The probe's reports as they come, and whether it ran past its deadline: torch's own import gets
+    TORCH_S, the backend modules `timeout_s` from the moment torch is in."""
+    events: list[dict] = []
+    buf = b""
+    deadline = time.monotonic() + max(timeout_s, TORCH_S)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return events, True
+        ready, _, _ = select.select([read], [], [], min(left, 0.2))
+        chunk = os.read(read, 65536) if ready else b""
+        if ready and not chunk or not ready and proc.poll() is not None:
+            return events, False  # EOF, or the child is gone (a fork of it may hold the pipe)
+        *lines, buf = (buf + chunk).split(b"\n")
+        for line in lines:
+            events.append(json.loads(line))
+            if events[-1].get("done") == "torch":
+                deadline = time.monotonic() + timeout_s
+
+
 def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
     """Import `modules` in a child process first: BackendImportError naming the module that exited,
     crashed, raised or hung there; else the modules that printed to stdout while being imported."""
@@ -71,15 +95,12 @@ def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]
         finally:
             os.close(write)
         try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the module's own children too
-            proc.wait()
-            rc = None
-        finally:
-            with os.fdopen(read) as fh:
-                events = [json.loads(line) for line in fh.read().splitlines() if line.strip()]
+            events, late = _events(proc, read, timeout_s)
+        finally:  # a hang, Ctrl-C meanwhile, or processes the import started: the probe's session goes
+            os.close(read)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
     current = next((e["start"] for e in reversed(events) if "start" in e), "torch")
     flag = f"--backend {current}" if current != "torch" else "torch (with the backends its entry points load)"
     for e in events:
@@ -91,8 +112,9 @@ def probe(modules: list[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]
                                      "backend's package or put it on PYTHONPATH")
         if "error" in e:
             raise BackendImportError(f"{flag}: importing it raised {e['type']}: {e['message']}; nothing was run")
-    if rc is None:
-        raise BackendImportError(f"{flag}: importing it did not finish within {timeout_s:g}s (hung?); nothing was "
+    if late:
+        budget = timeout_s if current != "torch" else max(timeout_s, TORCH_S)
+        raise BackendImportError(f"{flag}: importing it did not finish within {budget:g}s (hung?); nothing was "
                                  "run. Raise --backend-timeout if it is only slow")
     if not any("ok" in e for e in events):
         what = f"killed the process ({_signal_name(-rc)})" if rc < 0 else f"ended the process (exit code {rc}, e.g. os._exit)"

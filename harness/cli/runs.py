@@ -172,8 +172,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
+    from harness.files import check_writable
     from harness.run.zoo import generate
 
+    for path in (args.out, args.report):  # before an hour of candidates, not after
+        if path:
+            check_writable(path)
     counts = generate(args.out, jobs=args.jobs, limit=args.limit, timeout_s=args.timeout,
                       only=args.only.split(",") if args.only else None, report_path=args.report)
     print(f"candidates: {counts['candidates']}  kept: {counts['kept']}  "
