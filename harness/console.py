@@ -55,8 +55,13 @@ def terminal_text(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # the CLI ends quietly with one exit code for every command (rich: exit 1)
+
+
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True, width=200 if not sys.stdout.isatty() else None)
+    return _Console(highlight=False, soft_wrap=True, width=200 if not sys.stdout.isatty() else None)
 
 
 def _derived(label: str, row: dict[str, Any]) -> Any:

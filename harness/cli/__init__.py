@@ -3,11 +3,12 @@
 One exit-code policy for all commands: 0 = success (for `check`: the model passed, within fp32 or the
 declared precision), 1 = the check, diff or run found a problem (or a run's DB stopped taking rows after
 some were saved: --resume), 2 = bad input or an output that cannot be written (one line on stderr, nothing
-written, no old file touched), 130 = Ctrl-C, 143 = SIGTERM.
+written, no old file touched), 130 = Ctrl-C, 143 = SIGTERM, 141 = the reader of stdout went away (`| head`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader went away (`portharness matrix | head`): no traceback for that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the interpreter's last flush
+        return 141  # what a shell reports for a process ended by SIGPIPE
     except KeyboardInterrupt as e:
         name = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         print(f"portharness: {name}; finished rows are saved (use --resume)", file=sys.stderr)
