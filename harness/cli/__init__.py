@@ -35,6 +35,18 @@ def _is_input_error(e: Exception) -> bool:
     return load is not None and isinstance(e, load.LoadError)
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll reports an error on its write end)."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C: every `finally` runs (workers are stopped), then exit 143."""
 
@@ -48,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
-    except BrokenPipeError:  # the reader went away (`portharness matrix | head`): no traceback for that
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at the interpreter's last flush
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a worker's): a real error
+            raise
+        # the reader went away (`portharness matrix | head`): no traceback, nor one at the last flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a process ended by SIGPIPE
     except KeyboardInterrupt as e:
         name = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
