@@ -188,7 +188,7 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def _swap_in(stage: Path, out: Path, stale: Iterable[str]) -> None:
     """Move the staged entries into `out`: files by rename, directories swapped whole; then drop the
     `stale` names the new contents lack."""
-    old = Path(tempfile.mkdtemp(prefix=OLD_PREFIX, dir=out))
+    old = Path(tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{os.getpid()}-", dir=out))
     new = {e.name for e in stage.iterdir()}
     for entry in stage.iterdir():
         dest = out / entry.name
@@ -210,6 +210,20 @@ def _swap_in(stage: Path, out: Path, stale: Iterable[str]) -> None:
     _fsync_dir(out)
 
 
+def _alive(name: str) -> bool:
+    """Whether the process named in a staging directory's name (``<prefix><pid>-...``) still runs."""
+    pid = name.removeprefix(STAGE_PREFIX).removeprefix(OLD_PREFIX).partition("-")[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def replaced_dir(out: str | os.PathLike, *, stale: Iterable[str] = ()) -> Iterator[Path]:
     """A staging directory inside `out` (created if missing) for the caller to fill with `out`'s new
@@ -222,9 +236,10 @@ def replaced_dir(out: str | os.PathLike, *, stale: Iterable[str] = ()) -> Iterat
     ok = False
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for left in [*out.glob(STAGE_PREFIX + "*"), *out.glob(OLD_PREFIX + "*")]:  # from a killed build
-            shutil.rmtree(left, ignore_errors=True)
-        stage = Path(tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=out))
+        for left in [*out.glob(STAGE_PREFIX + "*"), *out.glob(OLD_PREFIX + "*")]:
+            if not _alive(left.name):  # from a killed build, not one running now
+                shutil.rmtree(left, ignore_errors=True)
+        stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out))
         os.chmod(stage, 0o777 & ~_umask())
         yield stage
         _swap_in(stage, out, stale)
