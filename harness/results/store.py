@@ -6,9 +6,12 @@ known, so a crash, an OOM-kill or ``kill -9`` of the runner never loses finished
 run can skip what is done. WAL journaling gives that with concurrent readers and a writer at a time
 (``busy_timeout`` makes writers queue rather than fail).
 
-Columns come from the row dataclasses in `rows.py` (their real types, not guesses). A DB written
-before a column existed gets it added when opened for writing; readers of older or read-only DBs
-see the missing columns as empty. Files that are not ours are refused by `dbfile.inspect`.
+Columns come from the row dataclasses in `rows.py` (their real types, not guesses; tables in
+`schema.py`). A new DB is built in a temporary file and linked into place, so no 0-byte or half-made
+DB is ever left; a DB written before a column existed gets it added, in one transaction, when opened
+for writing; readers of older or read-only DBs see the missing columns as empty. Files that are not
+ours are refused by `dbfile.inspect`, and `check_writable` says, before a command writes anything,
+whether rows can be added at a path.
 """
 
 from __future__ import annotations
