@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
 
@@ -10,6 +11,7 @@ import pandas as pd
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from harness.outcomes import OUTCOMES, headline
 from harness.results.rows import PHASES
@@ -44,8 +46,22 @@ _VERDICT_FIELDS = [
 ]
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_text(text: str) -> str:
+    """`text` safe for a terminal: control characters (an ANSI escape in a model id) shown as ``\\x1b``
+    instead of acting; newlines and tabs kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # the CLI ends quietly with one exit code for every command (rich: exit 1)
+
+
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=True, width=200 if not sys.stdout.isatty() else None)
+    return _Console(highlight=False, soft_wrap=True, width=200 if not sys.stdout.isatty() else None)
 
 
 def _derived(label: str, row: dict[str, Any]) -> Any:
@@ -147,16 +163,18 @@ def outcome_table(counts: dict[str, int], total: int) -> str:
 def print_frame(title: str, df: pd.DataFrame) -> None:
     """A titled table on stdout (every row and column: this is what people grep)."""
     console = _console()
-    console.print(f"\n== {title} ==")
+    console.print(Text(f"\n== {terminal_text(title)} =="))
     if df.empty:
         console.print("(none)")
         return
     frame = df.reset_index() if not isinstance(df.index, pd.RangeIndex) else df
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col in frame.columns:
-        table.add_column(str(col), justify="right" if pd.api.types.is_numeric_dtype(frame[col]) else "left")
-    for rec in frame.itertuples(index=False):
-        table.add_row(*("" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v) for v in rec))
+        table.add_column(Text(terminal_text(str(col))),
+                         justify="right" if pd.api.types.is_numeric_dtype(frame[col]) else "left")
+    for rec in frame.itertuples(index=False):  # Text: a '[red]' in a model id is not rich markup
+        table.add_row(*(Text("" if v is None or (isinstance(v, float) and math.isnan(v)) else terminal_text(str(v)))
+                        for v in rec))
     console.print(table)
 
 

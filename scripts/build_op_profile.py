@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import harness.sim as sim
+from harness import files
 from harness.models.inputs import make_inputs
 from harness.models.outputs import output_tensors
 from harness.models.tiny import build_tiny
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         same = args.out.exists() and args.out.read_text() == text
         print(f"{args.out}: {'up to date' if same else 'OUT OF DATE (rerun scripts/build_op_profile.py)'}")
         return 0 if same else 1
-    args.out.write_text(text)
+    files.write_text(args.out, text)
     print(
         f"wrote {args.out}: {len(lines)} entries (core {facts['core']}, traced {facts['traced']} of which "
         f"{facts['traced_not_core']} beyond core, {facts['siblings']} in-place/functional siblings)"

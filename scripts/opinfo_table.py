@@ -16,7 +16,6 @@ max_abs_err (largest |sim - CPU| over compared samples; empty when none was comp
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 import warnings
@@ -88,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if worst:
         print("largest errors: " + ", ".join(f"{r['op']} {r['max_abs_err']}" for r in worst))
     if args.out:
-        with args.out.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
+        from harness import csvio
+
+        csvio.write(args.out, COLUMNS, [[r.get(c, "") for c in COLUMNS] for r in rows])
         print(f"wrote {args.out}")
     return 0
 

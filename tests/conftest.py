@@ -10,6 +10,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -246,3 +247,95 @@ def make_toy_env(root: Path) -> Path:
 @pytest.fixture(name="toy_python", scope="session")
 def _toy_python_fixture(tmp_path_factory) -> Path:
     return make_toy_env(tmp_path_factory.mktemp("toy-env"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Full disks and read-only media: a private mount namespace
+# ----------------------------------------------------------------------------------------------
+
+_MOUNT_DRIVER = r'''
+import hashlib, json, os, subprocess, sys, time
+from pathlib import Path
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+
+
+def cli(*args, env=None, timeout=600):
+    r = subprocess.run([sys.executable, "-m", "harness.cli", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={**ENV, **(env or {})})
+    return {"rc": r.returncode, "out": r.stdout, "err": r.stderr}
+
+
+def tmpfs(path, size="4m"):
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "none", str(path)], check=True)
+
+
+def read_only(path):
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+
+
+def fill(path, leave=0):
+    """Take every free byte of the file system at `path` but `leave` (a full disk)."""
+    fd = os.open(os.path.join(path, ".filler"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for chunk in (1 << 20, 1 << 16, 1 << 12, 1):
+        try:
+            while True:
+                os.write(fd, b"\0" * chunk)
+        except OSError:
+            pass
+    os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
+    os.close(fd)
+
+
+def snapshot(path):
+    """Every file under `path` (the filler aside) and its digest."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(path).rglob("*")) if p.is_file() and p.name != ".filler"}
+
+
+def rows(db):
+    import sqlite3
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as c:
+            return c.execute("SELECT count(*) FROM results").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+'''
+
+
+def _namespace_command() -> list[str] | None:
+    """`unshare` arguments that give a private mount namespace where tmpfs can be mounted, or None."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("unshare") is None:
+        return None
+    cmd = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    with tempfile.TemporaryDirectory() as d:
+        ok = subprocess.run([*cmd, "mount", "-t", "tmpfs", "-o", "size=64k", "none", d], capture_output=True)
+    return cmd if ok.returncode == 0 else None
+
+
+@pytest.fixture(name="private_mounts", scope="session")
+def _private_mounts_fixture() -> Callable[..., Any]:
+    """`private_mounts(body)` runs the Python `body` as root of a private mount namespace, with the helpers
+    above (`cli`, `tmpfs`, `read_only`, `fill`, `snapshot`, `rows`); its mounts vanish with it. Returns the
+    JSON value of the body's last line of output. Skips where no such namespace can be made."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = _namespace_command()
+    if cmd is None:
+        pytest.skip("needs a private mount namespace with tmpfs (unshare -m as root, or unshare -rm): "
+                    "cannot make a full disk or read-only media here")
+
+    def run(body: str, timeout: float = 900) -> Any:
+        r = subprocess.run([*cmd, sys.executable, "-c", _MOUNT_DRIVER + body], capture_output=True, text=True,
+                           timeout=timeout)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    return run

@@ -329,3 +329,161 @@ def test_merge_reports_overlaps_and_keeps_the_finished_attempt(tmp_path: Path) -
     assert by["shared"]["outcome"] == "pass"
     r = cli("merge", "--out", str(tmp_path / "m2.db"), str(b), str(a))  # order does not matter
     assert "merged 3 rows" in r.stdout and "1 key(s) appeared in more than one DB" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Second round (issue 26): one regression test per item
+# ---------------------------------------------------------------------------------------------------------
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+# item 1: ranges checked before any work -------------------------------------------------------------------------
+
+
+def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path) -> None:
+    lst = a_list(tmp_path, PAIRS[:1])
+    db = tmp_path / "r.db"
+    unfinished_run(db, lst, [])
+    before = digest(db)
+    for bad, message in ((["--seed", "-1"], "--seed -1: must be from 0 to 2**32 - 1"),
+                         (["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be from 0"),
+                         (["--oracle-max-params", "-5"], "--oracle-max-params -5: must be >= 0"),
+                         (["--fault", "sim:9=error:1.0"], "sim:9 does not exist, sim has 2 device(s)")):
+        r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, *bad, "--quiet")
+        assert r.returncode == 2 and message in one_line(r.stderr), (bad, r.stderr[-2000:])
+        assert digest(db) == before, bad
+    r = cli("check", "tiny/bert/base", "--seed", "-1")
+    assert r.returncode == 2 and "--seed -1" in one_line(r.stderr) and r.stdout == "", r.stderr[-2000:]
+
+
+def test_collectives_ranges_and_the_machine_s_size(tmp_path: Path) -> None:
+    r = cli("collectives", "--timeout", "0", "--no-ddp", "--sizes", "4k", "--repeats", "1")
+    assert r.returncode == 2 and "timeout must be > 0 seconds" in one_line(r.stderr), r.stderr[-2000:]
+    # Refused from the configuration alone: not one of the thousand ranks is started.
+    r = cli("collectives", "--world-size", "1000", "--no-ddp", "--sizes", "4k", "--repeats", "1")
+    assert r.returncode == 2 and "world size 1000: this machine can hold at most" in one_line(r.stderr), r.stderr
+
+
+# item 4: hostile --backend modules (items 2, 3, 5, 6 and an empty repro dir: test_bad_output.py) -------
+
+
+HOSTILE = {
+    "exits3": ("import sys\nsys.exit(3)\n", "importing it called sys.exit(3)"),
+    "exits0": ("import sys\nsys.exit(0)\n", "importing it called sys.exit(0)"),
+    "osexit": ("import os\nos._exit(0)\n", "importing it ended the process (exit code 0, e.g. os._exit)"),
+    "segv": ("import ctypes\nctypes.string_at(0)\n", "importing it killed the process (SIGSEGV)"),
+    "hangs": ("import time\ntime.sleep(3600)\n", "importing it did not finish within 3s"),
+    "raises": ("raise RuntimeError('driver 1.2 not found')\n", "importing it raised RuntimeError: driver 1.2 not found"),
+}
+
+
+def test_hostile_backend_modules_are_named_and_stopped(tmp_path: Path) -> None:
+    for name, (code, _) in HOSTILE.items():
+        (tmp_path / f"{name}.py").write_text(code)
+    env = {"PYTHONPATH": str(tmp_path)}
+    for name, (_, what) in HOSTILE.items():
+        r = cli("check", "tiny/bert/base", "--backend", name, "--backend-timeout", "3", "--json", env=env, timeout=120)
+        assert r.returncode == 2 and r.stdout == "", (name, r.returncode, r.stdout[-500:], r.stderr[-2000:])
+        line = one_line(r.stderr)
+        assert line.startswith(f"portharness check: error: --backend {name}: ") and what in line, (name, line)
+    r = cli("run", "--list", str(a_list(tmp_path, PAIRS[:1])), "--db", str(tmp_path / "r.db"), "--quiet",
+            env={**env, "PORTHARNESS_BACKENDS": "exits3"}, timeout=120)
+    assert r.returncode == 2 and "--backend exits3: importing it called sys.exit(3)" in one_line(r.stderr)
+    assert not (tmp_path / "r.db").exists()
+
+
+# item 7: expected files -----------------------------------------------------------------------------------
+
+
+def test_expected_files_know_the_outcomes_and_take_a_bom(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}))
+        st.record(ResultRow(run_id=rid, model_id="tiny/bert/base", target="sim", settings={"ops": "young"},
+                            outcome="pass"))
+    exp = tmp_path / "e.csv"
+    assert cli("baseline", "update", "--db", str(db), "--out", str(exp)).returncode == 0
+    text = exp.read_text()
+    bad = tmp_path / "bad.csv"
+    bad.write_text(text.replace("tiny/bert/base,pass,", "tiny/bert/base,frobnicated,"))
+    r = cli("baseline", "check", "--db", str(db), "--expected", str(bad))
+    assert r.returncode == 2 and "unknown outcome 'frobnicated' for 'tiny/bert/base'" in one_line(r.stderr), r.stderr
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    r = cli("baseline", "check", "--db", str(db), "--expected", str(bom))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+# item 8: merge ranks the destination's rows too ----------------------------------------------------------------
+
+
+def test_merging_an_older_copy_of_a_shard_loses_nothing(tmp_path: Path) -> None:
+    v1, v2, night = tmp_path / "b_v1.db", tmp_path / "b_v2.db", tmp_path / "night.db"
+    rid = unfinished_run(v1, Path("l"), [], settings={"ops": "young"})
+    with ResultStore(v1) as st:
+        for m in ("a", "b"):
+            st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings={"ops": "young"}, outcome="device_error"))
+    shutil.copy(v1, v2)
+    with ResultStore(v2) as st:  # the same run, resumed later: both rows passed, the run finished
+        for m in ("a", "b"):
+            st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings={"ops": "young"}, outcome="pass",
+                                attempts=[{"device": "sim:0", "outcome": "device_error"}, {"device": "sim:1",
+                                                                                           "outcome": "pass"}]))
+        st.finish_run(rid)
+    for src in (v2, v1):  # the newer copy first, then the older one
+        r = cli("merge", "--out", str(night), str(src))
+        assert r.returncode == 0, r.stderr
+    assert "kept night.db" in r.stderr
+    with ResultStore(night) as st:
+        assert dict(zip(st.results().model_id, st.results().outcome, strict=True)) == {"a": "pass", "b": "pass"}
+        assert st.runs().iloc[0].finished_at  # still finished
+
+
+# item 9: diff: one comparability rule for one DB and two -------------------------------------------------------
+
+
+def test_diff_with_only_a_base_named_checks_comparability(tmp_path: Path) -> None:
+    db = tmp_path / "d.db"
+    with ResultStore(db) as st:
+        ids = []
+        for seed in (0, 5):
+            settings = {"ops": "young", **({"seed": seed} if seed else {})}
+            rid = st.begin_run(RunInfo("smoke", "sim", settings, run_id=f"seed{seed}"))
+            st.record(ResultRow(run_id=rid, model_id="m", target="sim", settings=settings, outcome="pass"))
+            ids.append(rid)
+    r = cli("diff", "--db", str(db), "--base", "seed0")  # head: the latest run, seed 5
+    assert r.returncode == 2 and "not comparable: different settings" in one_line(r.stderr), r.stdout + r.stderr
+    r = cli("diff", "--db", str(db), "--base", "seed0", "--head", "seed5")  # both named: compared as asked
+    assert r.returncode == 0, r.stderr
+
+
+# item 10: control characters; Ctrl-C to the process group -------------------------------------------------------
+
+
+def test_matrix_shows_control_characters_instead_of_running_them(tmp_path: Path) -> None:
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo("l", "sim", {"ops": "young"}))
+        for m in ("evil\x1b[2J\x1b[31mred", "tag[/b]markup"):
+            st.record(ResultRow(run_id=rid, model_id=m, target="sim", settings={"ops": "young"}, outcome="pass"))
+    r = cli("matrix", "--db", str(db))
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "evil\\x1b[2J\\x1b[31mred" in r.stdout and "tag[/b]markup" in r.stdout
+
+
+def test_ctrl_c_to_the_process_group_prints_one_clean_message(tmp_path: Path, patho) -> None:
+    proc, db, _ = _start_mid_run(tmp_path, patho, "intr")
+    sid = os.getsid(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "portharness: interrupted; finished rows are saved (use --resume)"
+    assert _wait_gone(sid) == []
+    with ResultStore(db) as st:
+        assert len(st.results()) == 2 and not st.runs().iloc[0].finished_at

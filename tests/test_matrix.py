@@ -175,7 +175,7 @@ def test_export(db: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown extension"):
         export(mat, tmp_path / "m.xlsx")
     if importlib.util.find_spec("pyarrow") is None:
-        with pytest.raises(RuntimeError, match="pyarrow"):
+        with pytest.raises(ValueError, match="pyarrow"):
             export(mat, tmp_path / "m.parquet")
     else:
         assert pd.read_parquet(export(mat, tmp_path / "m.parquet")).shape[0] == 7

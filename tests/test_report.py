@@ -367,12 +367,12 @@ def test_model_pages_written_by_forked_workers_match_a_serial_build(
 ) -> None:
     import harness.report.build as build
 
-    assert build._page_workers(10) == 1  # a small site: no fork
+    assert build.page_workers(10) == 1  # a small site: no fork
     db = tmp_path / "p.db"
     write_synthetic_db(db, 30, runs=2, collectives=False)
-    monkeypatch.setattr(build, "_page_workers", lambda n: 1)
+    monkeypatch.setattr(build, "page_workers", lambda n: 1)
     build_report(db, tmp_path / "serial")
-    monkeypatch.setattr(build, "_page_workers", lambda n: 3)
+    monkeypatch.setattr(build, "page_workers", lambda n: 3)
     build_report(db, tmp_path / "forked")
 
     def pages(site: Path) -> dict[str, str]:  # the footer's build time differs, nothing else may

@@ -18,7 +18,7 @@ Pure functions and dataclasses; which runs of a DB are checked is `harness.analy
 
 from __future__ import annotations
 
-import csv
+import difflib
 import fnmatch
 import io
 import json
@@ -30,9 +30,10 @@ from typing import Any
 
 import pandas as pd
 
+from harness import csvio, files
 from harness.analysis.fingerprint import FailureGroup, group_rows
 from harness.analysis.matrix import column_records
-from harness.outcomes import DEVICE_SIDE, MATCHED, NOT_THE_MODELS, severity
+from harness.outcomes import DEVICE_SIDE, MATCHED, NOT_THE_MODELS, OUTCOMES, severity
 from harness.results.codec import canonical_json
 
 COLUMNS = ("model", "outcome", "detail")
@@ -159,10 +160,7 @@ def format_expected(config: Config, rows: list[Expected], *, command: str = "") 
     buf.write(f"# list: {config.list_name}\n# target: {config.target}\n# settings: {config.settings_json}\n")
     if command:
         buf.write(f"# regenerate: {command}\n")
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(COLUMNS)
-    for r in sorted(rows, key=lambda r: r.model):
-        w.writerow((r.model, r.outcome, r.detail))
+    buf.write(csvio.format_rows([COLUMNS, *((r.model, r.outcome, r.detail) for r in sorted(rows, key=lambda r: r.model))]))
     return buf.getvalue()
 
 
@@ -171,10 +169,7 @@ def write_expected(path: str | os.PathLike, config: Config, rows: list[Expected]
     p = Path(path)
     if not p.parent.is_dir():
         raise FileNotFoundError(f"directory {p.parent} for the expected file does not exist")
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(format_expected(config, rows, command=command), encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+    return files.write_text(p, format_expected(config, rows, command=command))
 
 
 def read_expected(path: str | os.PathLike) -> ExpectedFile:
@@ -184,7 +179,11 @@ def read_expected(path: str | os.PathLike) -> ExpectedFile:
         raise FileNotFoundError(f"expected file {p} does not exist; create it with `portharness baseline update`")
     header: dict[str, str] = {}
     body: list[tuple[int, str]] = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = csvio.read_text(p)  # a spreadsheet's byte-order mark is not part of the first line
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("#"):
             key, sep, value = line[1:].partition(":")
             if sep and key.strip() in ("list", "target", "settings"):
@@ -203,16 +202,20 @@ def read_expected(path: str | os.PathLike) -> ExpectedFile:
     if not body:
         raise ValueError(f"{p}: no '{','.join(COLUMNS)}' header row")
     (first_n, first), *data = body
-    if next(csv.reader([first])) != list(COLUMNS):
+    if csvio.parse_line(first) != list(COLUMNS):
         raise ValueError(f"{p}:{first_n}: expected the header row '{','.join(COLUMNS)}', got {first!r}")
     rows: dict[str, Expected] = {}
     for n, line in data:
-        cells = next(csv.reader([line]))
+        cells = csvio.parse_line(line)
         if len(cells) != len(COLUMNS):
             raise ValueError(f"{p}:{n}: expected {len(COLUMNS)} cells (model,outcome,detail), got {len(cells)}")
         model, outcome, detail = (c.strip() for c in cells)
         if not model or not outcome:
             raise ValueError(f"{p}:{n}: model and outcome must not be empty")
+        if outcome not in OUTCOMES:
+            close = difflib.get_close_matches(outcome, OUTCOMES, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known outcomes: {', '.join(OUTCOMES)}"
+            raise ValueError(f"{p}:{n}: unknown outcome {outcome!r} for {model!r}; {hint}")
         if model in rows:
             raise ValueError(f"{p}:{n}: model {model!r} is listed twice")
         rows[model] = Expected(model, outcome, detail)
@@ -229,7 +232,7 @@ def read_flaky(path: str | os.PathLike) -> dict[str, str]:
     if not p.is_file():
         raise FileNotFoundError(f"flaky list {p} does not exist")
     out: dict[str, str] = {}
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), 1):
         entry, _, reason = line.partition("#")
         entry, reason = entry.strip(), reason.strip()
         if not entry:

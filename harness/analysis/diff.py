@@ -289,6 +289,7 @@ def resolve_runs(
         if head_id is None:
             raise StoreError(f"{head_path} contains no model results")
         head_df = hs.results(head_id)
+        head_run = _identity(hs, head_id)
         if Path(base_path).resolve() == Path(head_path).resolve():
             base_id = base or previous_comparable(hs, head_id)
             if base_id is None:
@@ -296,22 +297,34 @@ def resolve_runs(
                     f"{head_path} has no earlier run comparable to {head_id} (same list, target, settings); "
                     "pass --base RUN or --base-db PATH"
                 )
+            _require_comparable((base_path, base_id, _identity(hs, base_id)), (head_path, head_id, head_run),
+                                named=bool(base and head))
             return (base_id, hs.results(base_id)), (head_id, head_df)
-        head_run = _identity(hs, head_id)
     with ResultStore(base_path, read_only=True) as bs:
         base_id = base or bs.latest_run(has_results=True)
         if base_id is None:
             raise StoreError(f"{base_path} contains no model results")
-        base_run = _identity(bs, base_id)
-        if not (base and head) and base_run != head_run:
-            # Different lists or settings make every row "added"/"removed" and hide real regressions.
-            what = [k for k, a, b in zip(("list", "target", "settings"), base_run, head_run, strict=True) if a != b]
-            raise StoreError(
-                f"the latest runs of {base_path} ({base_id}) and {head_path} ({head_id}) are not comparable: "
-                f"different {', '.join(what)} ({'; '.join(f'{a} vs {b}' for a, b in zip(base_run, head_run, strict=True) if a != b)}). "
-                "Name the runs with --base RUN --head RUN to compare them anyway"
-            )
+        _require_comparable((base_path, base_id, _identity(bs, base_id)), (head_path, head_id, head_run),
+                            named=bool(base and head))
         return (base_id, bs.results(base_id)), (head_id, head_df)
+
+
+def _require_comparable(base: tuple[str, str, tuple[str, str, str]], head: tuple[str, str, tuple[str, str, str]],
+                        *, named: bool) -> None:
+    """One rule for one DB and two: runs of different lists, targets or settings are compared only when
+    both are named (--base RUN --head RUN); a run picked by default must match the other."""
+    (base_path, base_id, base_run), (head_path, head_id, head_run) = base, head
+    if named or base_run == head_run:
+        return
+    # Different lists or settings make every row "added"/"removed" and hide real regressions.
+    what = [k for k, a, b in zip(("list", "target", "settings"), base_run, head_run, strict=True) if a != b]
+    where = (f"runs {base_id} and {head_id} of {head_path}" if base_path == head_path
+             else f"runs {base_path} ({base_id}) and {head_path} ({head_id})")
+    raise StoreError(
+        f"the {where} are not comparable: different {', '.join(what)} "
+        f"({'; '.join(f'{a} vs {b}' for a, b in zip(base_run, head_run, strict=True) if a != b)}). "
+        "Name the runs with --base RUN --head RUN to compare them anyway"
+    )
 
 
 def _identity(store: ResultStore, run_id: str) -> tuple[str, str, str]:

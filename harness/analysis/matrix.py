@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import csvio, files
 from harness.outcomes import MATCHED, NOT_THE_MODELS, OUTCOMES, RAN
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
@@ -178,7 +179,7 @@ def read_opinfo(source: pd.DataFrame | str | os.PathLike) -> pd.DataFrame:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"OpInfo table {path} does not exist")
-        table = pd.read_csv(path)
+        table = csvio.read_frame(path)
     missing = [c for c in OPINFO_COLUMNS if c not in table.columns]
     if missing:
         raise ValueError(
@@ -297,36 +298,33 @@ def _jsonable_cells(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-
-def _defused(df: pd.DataFrame) -> pd.DataFrame:
-    """Text cells a spreadsheet would run as a formula (a model id like '=cmd|...') get a leading quote,
-    as OWASP's CSV-injection advice says; numbers are left alone."""
-    out = df.copy()
-    for col in out.columns:
-        if out[col].dtype == object or pd.api.types.is_string_dtype(out[col]):
-            out[col] = out[col].map(lambda v: "'" + v if isinstance(v, str) and v.startswith(_FORMULA_START) else v)
-    out.columns = ["'" + c if isinstance(c, str) and c.startswith(_FORMULA_START) else c for c in out.columns]
-    return out
-
-
 def export(df: pd.DataFrame, path: str | os.PathLike) -> Path:
-    """Write ``df`` as .csv, .json (records) or .parquet (needs pyarrow), chosen by extension."""
+    """Write ``df`` as .csv (`harness.csvio`: formula-looking cells defused), .json (records) or .parquet
+    (needs pyarrow), chosen by extension; atomically (`harness.files`: OutputError, nothing left behind)."""
     path = Path(path)
-    ext = path.suffix.lower()
+    ext = _export_kind(path)
     keep_index = not isinstance(df.index, pd.RangeIndex)
     frame = df.reset_index() if keep_index else df
     if ext == ".csv":
-        _defused(_jsonable_cells(frame)).to_csv(path, index=False)
-    elif ext == ".json":
-        frame.to_json(path, orient="records", indent=1, default_handler=str)
-    elif ext == ".parquet":
-        if importlib.util.find_spec("pyarrow") is None:
-            raise RuntimeError(
-                f"cannot write {path}: parquet export needs pyarrow (pip install pyarrow); use .csv or .json"
-            )
-        _jsonable_cells(frame).to_parquet(path, index=False)
-    else:
-        raise ValueError(f"cannot export to {path}: unknown extension {ext!r}; use .csv, .json or .parquet")
+        return csvio.write_frame(_jsonable_cells(frame), path)
+    with files.atomic_path(path) as tmp:
+        if ext == ".json":
+            frame.to_json(tmp, orient="records", indent=1, default_handler=str)
+        else:
+            _jsonable_cells(frame).to_parquet(tmp, index=False)
     return path
+
+
+def _export_kind(path: Path) -> str:
+    ext = path.suffix.lower()
+    if ext not in (".csv", ".json", ".parquet"):
+        raise ValueError(f"cannot export to {path}: unknown extension {ext!r}; use .csv, .json or .parquet")
+    if ext == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise ValueError(f"cannot write {path}: parquet export needs pyarrow (pip install pyarrow); use .csv or .json")
+    return ext
+
+
+def check_export_path(path: str | os.PathLike) -> None:
+    """Refuse an export path before anything is printed: its extension, and that it can be written."""
+    _export_kind(Path(path))
+    files.check_writable(path)

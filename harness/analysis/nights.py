@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import files
 from harness.analysis.baseline import (
     CheckResult,
     Config,
@@ -114,8 +115,12 @@ def update_baselines(db: str | os.PathLike, *, run_id: str | None = None, out: s
     if out_dir is not None and not Path(out_dir).is_dir():
         raise FileNotFoundError(f"--out-dir {out_dir} is not a directory")
     lines = []
-    for run in runs_to_update(db, run_id=run_id, out=out):
-        dest = Path(out) if out is not None else Path(out_dir or ".") / run["config"].file_name
+    runs = [(run, Path(out) if out is not None else Path(out_dir or ".") / run["config"].file_name)
+            for run in runs_to_update(db, run_id=run_id, out=out)]
+    for _, dest in runs:  # every file refused before one is written
+        if dest.parent.is_dir():
+            files.check_writable(dest)
+    for run, dest in runs:
         rows = expected_rows(load_run(db, run["run_id"]))
         write_expected(dest, run["config"], rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
         lines.append(f"wrote {dest}: {len(rows)} models from run {run['run_id']} ({count_line(rows)})")

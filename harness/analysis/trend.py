@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import files
 from harness.analysis.baseline import list_key
 from harness.analysis.fingerprint import group_failures
 from harness.analysis.matrix import outcome_counts, settings_label
@@ -97,10 +98,7 @@ def append_history(path: str | os.PathLike, entries: list[dict[str, Any]]) -> in
     new = {(e["run_id"], e["config"]) for e in entries}
     kept = [e for e in read_history(p) if (e["run_id"], e["config"]) not in new]
     lines = kept + list(entries)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text("".join(json.dumps(e, sort_keys=True, separators=(",", ":")) + "\n" for e in lines),
-                   encoding="utf-8")
-    os.replace(tmp, p)
+    files.write_text(p, "".join(json.dumps(e, sort_keys=True, separators=(",", ":")) + "\n" for e in lines))
     return len(lines)
 
 
@@ -166,9 +164,12 @@ def append_night(db: str | os.PathLike, history: str | os.PathLike, *, date: str
     entries = summarize_db(db, date=date)
     if not entries:
         raise ValueError(f"{db} contains no model results")
+    for path in (history, summary):  # both refused before either is written
+        if path is not None:
+            files.check_writable(path)
     n = append_history(history, entries)
     if summary is not None:
-        Path(summary).write_text(format_markdown(entries), encoding="utf-8")
+        files.write_text(summary, format_markdown(entries))
     lines = [f"{e['date']} {e['config']}: ran {e['ran_pct']}%, matched {e['matched_pct']}% "
              f"({e['total']} models, {len(e['groups'])} failure groups)" for e in entries]
     return "\n".join([*lines, f"history {history}: {n} line(s)"])

@@ -52,7 +52,11 @@ class SimAdapter(Adapter):
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
-            parse_fault_spec(out["fault"])  # a bad spec fails here, before any worker starts
+            count = self.device_count()  # a bad spec, or a device that does not exist, fails here
+            missing = sorted(i for i in parse_fault_spec(out["fault"]) if i >= count)
+            if missing:
+                raise ValueError(f"--fault {out['fault']!r}: sim:{missing[0]} does not exist, sim has {count} device(s) "
+                                 f"(sim:0..sim:{count - 1}); nothing would be injected{self.more_devices_hint}")
         return out
 
     def declared_precision(self, settings: dict[str, Any]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,34 @@ DDP_CONFIG = {
     "eos_token_id": 0,
 }
 DDP_BATCH = (2, 32)  # sequences x tokens per rank
+RANK_MB = 500  # what one rank process holds: torch imported (~220 MiB) plus the DDP model, its gradients, buffers
+RANKS_PER_CPU = 8  # beyond this the ranks only wait for cores: the timings say nothing
+
+
+def rank_limit() -> tuple[int, str]:
+    """How many rank processes this machine can hold (by available memory and CPUs), and why, in words."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    avail_mb = None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    avail_mb = int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    limits = [(RANKS_PER_CPU * cpus, f"{cpus} CPU(s) x {RANKS_PER_CPU}")]
+    if avail_mb is not None:
+        limits.append((avail_mb // RANK_MB, f"{avail_mb} MiB available / ~{RANK_MB} MiB per rank"))
+    n, why = min(limits)
+    return max(n, 2), why
+
+
+def check_ranks(n: int, what: str = "world size") -> None:
+    """ValueError when `n` rank processes would not fit on this machine (it would take a shared host down)."""
+    limit, why = rank_limit()
+    if n > limit:
+        raise ValueError(f"{what} {n}: this machine can hold at most {limit} rank processes ({why}); "
+                         f"use {limit} or fewer, or a bigger machine")
 
 
 
@@ -68,6 +97,10 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s:g}")
+        if self.target != "cuda":
+            check_ranks(self.world_size)
         bad_ops = [o for o in self.ops if o not in OPS]
         if bad_ops:
             raise ValueError(f"unknown op(s) {', '.join(bad_ops)}; expected some of {', '.join(OPS)}")

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.bench.config import TARGETS
+from harness.bench.config import TARGETS, check_ranks
 from harness.comms.settings import parse_setting
 
 if TYPE_CHECKING:  # the rank imports torch; parsing and validating scenarios must not
@@ -188,6 +188,8 @@ class FaultConfig:
             )
         if not 0 <= self.spare <= MAX_SPARES:
             raise ValueError(f"spare must be from 0 to {MAX_SPARES} hot spare ranks, got {self.spare}")
+        if self.target != "cuda":
+            check_ranks(self.world_size + self.spare, "world size + spares")
         if not 0.5 <= self.timeout_s <= 600:
             raise ValueError(f"timeout must be from 0.5 to 600 seconds, got {self.timeout_s}")
         if self.restart_step is not None and not 1 <= self.restart_step < self.steps:

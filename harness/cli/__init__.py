@@ -1,12 +1,14 @@
 """`portharness` command line. Options live in `options.py` (each once); each command calls a stage's API.
 
 One exit-code policy for all commands: 0 = success (for `check`: the model passed, within fp32 or the
-declared precision), 1 = the check, diff or run found a problem, 2 = bad input (one line on stderr,
-nothing written), 130 = Ctrl-C, 143 = SIGTERM.
+declared precision), 1 = the check, diff or run found a problem (or a run's DB stopped taking rows after
+some were saved: --resume), 2 = bad input or an output that cannot be written (one line on stderr, nothing
+written, no old file touched), 130 = Ctrl-C, 143 = SIGTERM, 141 = the reader of stdout went away (`| head`).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -18,17 +20,31 @@ __all__ = ["build_parser", "collectives_config", "main"]
 
 
 def _is_input_error(e: Exception) -> bool:
-    """Bad input the user can fix (list, id, DB, settings, file, hub): a message, not a traceback.
+    """Bad input the user can fix (list, id, DB, settings, file, hub, an output that cannot be written): a
+    message, not a traceback.
 
     Classes are looked up only once something failed: `report` or `diff` shouldn't pay for importing
     torch (via harness.models.load) at start-up."""
+    from harness.files import OutputError
     from harness.models.model_list import ModelListError, UnknownModelError
     from harness.results.dbfile import StoreError
 
-    if isinstance(e, ModelListError | UnknownModelError | StoreError | ValueError | FileNotFoundError):
+    if isinstance(e, ModelListError | UnknownModelError | StoreError | OutputError | ValueError | FileNotFoundError):
         return True
     load = sys.modules.get("harness.models.load")
     return load is not None and isinstance(e, load.LoadError)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (poll reports an error on its write end)."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class Terminated(KeyboardInterrupt):
@@ -44,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        if not _stdout_gone():  # another pipe (a worker's): a real error
+            raise
+        # the reader went away (`portharness matrix | head`): no traceback, nor one at the last flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE
     except KeyboardInterrupt as e:
         name = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         print(f"portharness: {name}; finished rows are saved (use --resume)", file=sys.stderr)

@@ -9,11 +9,10 @@ import sys
 
 def collectives_config(args: argparse.Namespace):
     """The benchmark configuration `portharness collectives` arguments describe (validated)."""
-    from harness.backends import backend_modules, load_backends
     from harness.bench import collectives as bench
+    from harness.cli.guard import load_backends_guarded
 
-    modules = backend_modules(args.backend)
-    load_backends(modules)
+    modules = load_backends_guarded(args.backend, args.backend_timeout)
     cfg = bench.BenchConfig(
         target=args.target, world_size=args.world_size, repeats=args.repeats, warmup=args.warmup, ddp=args.ddp,
         backends=modules,
@@ -40,10 +39,19 @@ def collective_faults_config(args: argparse.Namespace):
     return cfg
 
 
+def _check_db(args: argparse.Namespace) -> None:
+    """--db can take the rows, checked before the benchmark runs (not after minutes of it)."""
+    if args.db:
+        from harness.results.store import check_writable
+
+        check_writable(args.db)
+
+
 def cmd_collective_faults(args: argparse.Namespace) -> int:
     from harness.bench import faultmatrix
 
     cfg = collective_faults_config(args)
+    _check_db(args)
     matrix = faultmatrix.run_matrix(cfg)
     run_id = faultmatrix.record(matrix, args.db, argv=" ".join(sys.argv)) if args.db else None
     if args.json:
@@ -61,6 +69,7 @@ def cmd_collectives(args: argparse.Namespace) -> int:
     if args.faults is not None:
         return cmd_collective_faults(args)
     cfg = collectives_config(args)
+    _check_db(args)
     try:
         result = bench.run_benchmark(cfg)
     except Exception as exc:  # a rank died: spawn re-raises its traceback

@@ -70,6 +70,9 @@ def _backend_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=[], metavar="MODULE",
                    help="import MODULE to register the target's backend (repeatable; also PORTHARNESS_BACKENDS="
                         "mod1,mod2); entry-point backends load by themselves")
+    p.add_argument("--backend-timeout", type=float, default=None, metavar="SECONDS",
+                   help="deadline for importing the --backend modules (default 120; they are imported in a child "
+                        "process first, so one that exits, crashes or hangs is named instead of taking the command down)")
 
 
 def build_parser() -> argparse.ArgumentParser:

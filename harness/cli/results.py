@@ -13,6 +13,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_line, print_frame
     from harness.outcomes import OUTCOMES
 
+    if args.out:
+        mx.check_export_path(args.out)  # before the tables are printed
     rid, df = mx.load_results(args.db, args.run)
     counts = mx.outcome_counts(df)
     total = sum(counts.values())
@@ -33,13 +35,14 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from harness.analysis.diff import diff_runs, format_summary, load_allowlist, resolve_runs
+    from harness.console import terminal_text
 
     (base_id, base_df), (head_id, head_df) = resolve_runs(
         db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
                     flaky_allowlist=load_allowlist(args.flaky_allowlist))
-    print(json.dumps(res.to_dict(), indent=1) if args.json else format_summary(res))
+    print(json.dumps(res.to_dict(), indent=1) if args.json else terminal_text(format_summary(res)))
     return 1 if res.regressions else 0
 
 
@@ -72,6 +75,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_baseline(args: argparse.Namespace) -> int:
     from harness.analysis import nights
     from harness.analysis.baseline import format_check
+    from harness.console import terminal_text
 
     if args.baseline_command == "update":
         print("\n".join(nights.update_baselines(args.db, run_id=args.run, out=args.out, out_dir=args.out_dir)))
@@ -80,7 +84,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
                                      expected_dir=args.expected_dir, flaky=args.flaky)
     ok = all(r.ok for r in results)
     out = {"ok": ok, "checks": [r.to_dict() for r in results]}
-    print(json.dumps(out, indent=1) if args.json else "\n\n".join(format_check(r) for r in results))
+    print(json.dumps(out, indent=1) if args.json else terminal_text("\n\n".join(format_check(r) for r in results)))
     return 0 if ok else 1
 
 
@@ -100,12 +104,13 @@ def cmd_trend(args: argparse.Namespace) -> int:
 def cmd_groups(args: argparse.Namespace) -> int:
     from harness.analysis.fingerprint import format_groups, group_failures
     from harness.analysis.matrix import load_results, with_config
+    from harness.console import terminal_text
 
     rid, df = load_results(args.db, args.run)
     groups = group_failures(with_config(df))
     if args.json:
         print(json.dumps({"run_id": rid, "groups": [g.to_dict() for g in groups]}, indent=1))
     else:
-        print(f"run {rid}: " + format_groups(groups, limit=args.limit))
+        print(terminal_text(f"run {rid}: " + format_groups(groups, limit=args.limit)))
     return 0
 

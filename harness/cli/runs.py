@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 
 def _run_config(args: argparse.Namespace, **overrides: Any):
     """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
-    from harness.backends import backend_modules, load_backends, resolve_target
+    from harness.backends import resolve_target
+    from harness.cli.guard import load_backends_guarded
     from harness.run.runner import RunConfig
 
-    modules = backend_modules(args.backend)
-    load_backends(modules)
+    if args.oracle_max_params is not None and args.oracle_max_params < 0:
+        raise ValueError(f"--oracle-max-params {args.oracle_max_params}: must be >= 0 (0: no fp64 oracle for any model)")
+    modules = load_backends_guarded(args.backend, args.backend_timeout)
     adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
     for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params"):
@@ -33,41 +35,62 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     settings = adapter.check_settings(options)
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
-    return RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
-                     load_timeout_s=args.load_timeout,
-                     mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
+    config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
+                       load_timeout_s=args.load_timeout,
+                       mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
+    config.validate()
+    return config
+
+
+def _saved_rows(db: str, **run: Any) -> int:
+    """Rows in the latest unfinished run of this (list, target, settings, shard): what --resume continues."""
+    from harness.results.store import ResultStore
+
+    try:
+        with ResultStore(db, read_only=True) as store:
+            run_id = store.latest_run(**run, unfinished_only=True, has_results=True)
+            return len(store.results(run_id)) if run_id else 0
+    except Exception:
+        return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from harness.console import clean_row, verdict_lines
+    from harness.console import clean_row, terminal_text, verdict_lines
     from harness.models.model_list import find_entry
     from harness.outcomes import PASSING
-    from harness.results.store import ResultStore
+    from harness.results.store import ResultStore, check_writable
     from harness.run.runner import run_models
 
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
     config = _run_config(args, jobs=1, retries=0, progress=False, fork_workers=True)
     entry = find_entry(args.model, task=args.task)
-    if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it
+    if args.db:
+        check_writable(args.db)  # before any write: see cmd_run
+    else:  # the DB is temporary; a repro of a diverging op must outlive it (an empty dir must not)
         config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
-    with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
-        db = args.db or os.path.join(tmp, "check.db")
-        summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
-        with ResultStore(db, read_only=True) as store:
-            row = clean_row(store.results(summary.run_id).iloc[0].to_dict())
+    try:
+        with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
+            db = args.db or os.path.join(tmp, "check.db")
+            summary = run_models([entry], config, db, list_name=f"check:{entry.id}", argv=" ".join(sys.argv))
+            with ResultStore(db, read_only=True) as store:
+                row = clean_row(store.results(summary.run_id).iloc[0].to_dict())
+    finally:
+        if config.repro_dir and not args.db:
+            with contextlib.suppress(OSError):
+                os.rmdir(config.repro_dir)  # only when empty
     if args.json:
         print(json.dumps(row, indent=2, default=str))
     else:
-        print(f"portharness check {entry.id} on {args.target}")
-        print("\n".join(verdict_lines(row)))
+        print(terminal_text(f"portharness check {entry.id} on {args.target}\n" + "\n".join(verdict_lines(row))))
     return 0 if row["outcome"] in PASSING else 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_table
     from harness.models.model_list import load_model_list
-    from harness.results.dbfile import usable
+    from harness.results.dbfile import StoreWriteError
+    from harness.results.store import check_writable
     from harness.run.runner import plan, run_models, shard
 
     entries = load_model_list(args.list)
@@ -85,45 +108,76 @@ def cmd_run(args: argparse.Namespace) -> int:
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
                          rerun_flaky=args.rerun_flaky)
     plan(config)  # devices, spares, ranges: before a line is printed or a file touched
-    if os.path.exists(args.db):
-        usable(Path(args.db))  # ours and undamaged, checked without writing
-    os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
+    # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
+    # or a new file we can create) and --report can be written: checked before the banner and any write
+    check_writable(args.db)
+    if args.report:
+        from harness.report import check_out
+
+        check_out(args.report)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
+    except OSError as e:
+        from harness.files import output_error
+
+        raise output_error(args.db, e) from None
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, {args.jobs} worker(s) -> {args.db}",
           file=sys.stderr)
-    summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard, resume=args.resume,
-                         argv=" ".join(sys.argv))
+    try:
+        summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
+                             resume=args.resume, argv=" ".join(sys.argv))
+    except StoreWriteError as e:
+        saved = _saved_rows(args.db, list_name=args.list, target=config.target, settings=config.settings,
+                            shard=args.shard)
+        if not saved:
+            raise
+        print(f"portharness run: error: {e} The {saved} rows finished before it are saved: rerun with --resume "
+              "once the DB can be written again", file=sys.stderr)
+        return 1
     if args.resume:
         print(f"portharness: resumed run {summary.resumed_run} ({summary.resumed_skipped} models already done)"
               if summary.resumed_run else "portharness: no unfinished run matches (list, target, settings, shard); "
               "started a new one", file=sys.stderr)
+    human = sys.stderr if args.json else sys.stdout  # with --json, stdout is the JSON alone
     done = summary.rows_written
     print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
-          + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""))
-    print(headline_line(summary.counts))
-    print(outcome_table(summary.counts, done))
+          + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""), file=human)
+    print(headline_line(summary.counts), file=human)
+    print(outcome_table(summary.counts, done), file=human)
     if summary.with_fallback:
-        print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())))
+        print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())),
+              file=human)
     if summary.reruns:
         print(f"  re-ran {summary.reruns.get('models', 0)} model(s) whose attempts disagreed, {args.rerun_flaky}x each: "
-              f"flaky {summary.reruns.get('flaky', 0)}, stable {summary.reruns.get('stable', 0)}")
+              f"flaky {summary.reruns.get('flaky', 0)}, stable {summary.reruns.get('stable', 0)}", file=human)
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
-              + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""))
+              + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""), file=human)
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if args.report:
+        from harness.files import OutputError
         from harness.report import build_report
 
-        print(f"report: {build_report(args.db, args.report, run_id=summary.run_id)}")
+        try:
+            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id)}", file=human)
+        except OutputError as e:
+            print(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report again with "
+                  f"`portharness report --db {args.db} --out {args.report}`", file=sys.stderr)
+            return 1
     if args.json:
         print(json.dumps(asdict(summary), indent=2))
     return 0 if not summary.unfinished else 1
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
+    from harness.files import check_writable
     from harness.run.zoo import generate
 
+    for path in (args.out, args.report):  # before an hour of candidates, not after
+        if path:
+            check_writable(path)
     counts = generate(args.out, jobs=args.jobs, limit=args.limit, timeout_s=args.timeout,
                       only=args.only.split(",") if args.only else None, report_path=args.report)
     print(f"candidates: {counts['candidates']}  kept: {counts['kept']}  "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import csvio
 from harness.models.heads import HEADS, task_for_architecture
 
 COLUMNS = (
@@ -218,7 +219,7 @@ def parse_model_list(text: str, path: str = "<string>", base_dir: Path | None = 
             continue
         where = f"{path}:{lineno}"
         try:
-            cells = next(csv.reader([line], strict=True))
+            cells = csvio.parse_line(line, strict=True)
         except csv.Error as e:
             raise ModelListError(
                 f"{where}: unparseable CSV ({e}); quote cells that contain commas or quotes "
@@ -277,14 +278,8 @@ def load_model_list(name_or_path: str) -> list[ModelEntry]:
 
 def write_model_list(entries: list[ModelEntry], path: str | Path, header_comment: str = "") -> None:
     """Write entries as a list file (all columns, deterministic order of the given entries)."""
-    lines = [f"# {c}" if c else "#" for c in header_comment.splitlines()]
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        for line in lines:
-            f.write(line + "\n")
-        w = csv.DictWriter(f, fieldnames=list(COLUMNS), lineterminator="\n")
-        w.writeheader()
-        for e in entries:
-            w.writerow(e.to_row())
+    rows = [[e.to_row().get(c, "") for c in COLUMNS] for e in entries]
+    csvio.write(path, list(COLUMNS), rows, comments=header_comment.splitlines())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ every template autoescapes, embedded JSON goes through ``|tojson`` and the JS on
 - ``build.py``: :func:`build_report` reads the run from the store, prepares the output directory and
   renders each page; ``main_report`` is the CLI entry point.
 - ``views.py``: pure functions shaping dataframes into what each page's template needs.
+- ``parallel.py``: model pages written by forked processes.
 - ``svg.py``: the inline SVG charts (drift histogram, ratio bars, outcome bar, trend lines).
 - ``templates/`` (Jinja2) and ``assets/`` (CSS, JS) ship as package data.
 """
 
-from harness.report.build import build_report
+from harness.report.build import build_report, check_out
 
-__all__ = ["build_report"]
+__all__ = ["build_report", "check_out"]

@@ -7,11 +7,15 @@ A result DB is the one artifact a nightly run leaves behind, so anything that is
 
 from __future__ import annotations
 
+import errno as errnos
 import shutil
 import sqlite3
+import stat
 import tempfile
 import weakref
 from pathlib import Path
+
+from harness import files
 
 APP_NAME = "portharness"
 SCHEMA_VERSION = 1  # bumped only for incompatible changes; new columns are added in place
@@ -21,6 +25,32 @@ BUSY_TIMEOUT_MS = 60_000
 
 class StoreError(RuntimeError):
     """The DB file cannot be used as a portharness store (corrupt, foreign, newer schema, missing)."""
+
+
+class StoreWriteError(StoreError):
+    """A write to an open DB failed (full disk, storage gone read-only): what was committed before stays."""
+
+
+_SQLITE_ERRNO = {13: errnos.ENOSPC, 8: errnos.EROFS, 14: errnos.EACCES, 10: errnos.EIO}  # FULL, READONLY, CANTOPEN, IOERR
+
+
+def sqlite_errno(exc: sqlite3.Error) -> int | None:
+    """The errno an SQLite error stands for, if any (SQLite reports a full disk as SQLITE_FULL)."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    if code is not None:
+        return _SQLITE_ERRNO.get(code & 0xFF)
+    text = str(exc)
+    for needle, value in (("disk is full", errnos.ENOSPC), ("readonly", errnos.EROFS), ("unable to open", errnos.EACCES),
+                          ("disk I/O error", errnos.EIO)):
+        if needle in text:
+            return value
+    return None
+
+
+def write_cause(exc: sqlite3.Error) -> str:
+    """An SQLite write error in the words `harness.files` uses for any output ('no space left ... (ENOSPC)')."""
+    code = sqlite_errno(exc)
+    return files.cause(code, "" if code else str(exc))
 
 
 class _Connection(sqlite3.Connection):
@@ -83,6 +113,9 @@ def inspect(path: Path) -> str:
         return "missing"
     if path.is_dir():
         raise StoreError(f"{path} is a directory, not a portharness DB file; pass a file path with --db.")
+    if not stat.S_ISREG(path.stat().st_mode):  # /dev/null, /dev/full, a FIFO: SQLite would put a journal next to it
+        raise StoreError(f"{path} is not a regular file (a device, pipe or socket), so it cannot hold a DB; "
+                         "pass a file path with --db.")
     if path.stat().st_size == 0:
         return "empty"
     with open(path, "rb") as fh:

@@ -6,105 +6,105 @@ known, so a crash, an OOM-kill or ``kill -9`` of the runner never loses finished
 run can skip what is done. WAL journaling gives that with concurrent readers and a writer at a time
 (``busy_timeout`` makes writers queue rather than fail).
 
-Columns come from the row dataclasses in `rows.py` (their real types, not guesses). A DB written
-before a column existed gets it added when opened for writing; readers of older or read-only DBs
-see the missing columns as empty. Files that are not ours are refused by `dbfile.inspect`.
+Columns come from the row dataclasses in `rows.py` (their real types, not guesses; tables in
+`schema.py`). A new DB is built in a temporary file and linked into place, so no 0-byte or half-made
+DB is ever left; a DB written before a column existed gets it added, in one transaction, when opened
+for writing; readers of older or read-only DBs see the missing columns as empty. Files that are not
+ours are refused by `dbfile.inspect`, and `check_writable` says, before a command writes anything,
+whether rows can be added at a path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sqlite3
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from harness import outcomes
+from harness import files, outcomes
+from harness.results import schema
 from harness.results.codec import canonical_json, encode, frame
 from harness.results.dbfile import (
-    APP_NAME,
     BUSY_TIMEOUT_MS,
-    SCHEMA_VERSION,
     StoreError,
+    StoreWriteError,
     check_integrity,
     connect_read_only,
     inspect,
+    sqlite_errno,
+    write_cause,
 )
 from harness.results.rows import (
     CollectiveFaultRow,
     CollectiveRow,
     ResultRow,
     RunInfo,
-    column_types,
-    field_names,
     new_run_id,
     utc_now,
     versions,
 )
+from harness.results.schema import COLLECTIVE_FAULTS, COLLECTIVES, RESULTS, RUN_COLUMNS, TABLES, Table
 
-__all__ = ["ResultStore", "StoreError", "canonical_json", "TABLES"]
-
-
-@dataclass(frozen=True)
-class Table:
-    name: str
-    row: type
-    key: tuple[str, ...]
-
-    @property
-    def types(self) -> dict[str, type]:
-        return column_types(self.row)
-
-    @property
-    def columns(self) -> list[str]:
-        return field_names(self.row)
+__all__ = ["ResultStore", "StoreError", "StoreWriteError", "canonical_json", "TABLES", "check_writable"]
 
 
-RESULTS = Table("results", ResultRow, ("run_id", "model_id", "target", "settings"))
-COLLECTIVES = Table(
-    "collectives", CollectiveRow, ("run_id", "target", "backend", "world_size", "op", "size_bytes", "setting", "settings")
-)
-COLLECTIVE_FAULTS = Table(
-    "collective_faults",
-    CollectiveFaultRow,
-    ("run_id", "target", "backend", "world_size", "setting", "scenario"),
-)
-TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS)}
-_SQL = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
-RUN_COLUMNS = [*field_names(RunInfo), "finished_at"]
+def _may_write(path: Path) -> bool:
+    """Rows can be added: the file and its directory (for the -wal and -shm files) are writable."""
+    return os.access(path, os.W_OK) and os.access(path.parent.resolve(), os.W_OK | os.X_OK)
 
 
-def _create_sql(t: Table) -> str:
-    cols = [f"{c} {_SQL[typ]}{' NOT NULL' if c in t.key else ''}" for c, typ in t.types.items()]
-    cols.append(f"PRIMARY KEY ({', '.join(t.key)})")
-    return f"CREATE TABLE IF NOT EXISTS {t.name} (\n  " + ",\n  ".join(cols) + "\n)"
+def remove_db(path: Path) -> None:
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
-_SCHEMA = [
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    """CREATE TABLE IF NOT EXISTS runs (
-  run_id TEXT PRIMARY KEY,
-  list_name TEXT NOT NULL,
-  target TEXT NOT NULL,
-  settings TEXT NOT NULL,
-  shard TEXT NOT NULL DEFAULT '1/1',
-  argv TEXT NOT NULL DEFAULT '',
-  started_at TEXT NOT NULL,
-  finished_at TEXT NOT NULL DEFAULT '',
-  torch_version TEXT NOT NULL DEFAULT '',
-  transformers_version TEXT NOT NULL DEFAULT '',
-  harness_version TEXT NOT NULL DEFAULT '',
-  host TEXT NOT NULL DEFAULT ''
-)""",
-    _create_sql(RESULTS),
-    "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
-    _create_sql(COLLECTIVES),
-    _create_sql(COLLECTIVE_FAULTS),
-]
+def _new_file(path: Path) -> bool:
+    """Create the DB with its schema in a temporary file next to `path`, then link it into place: a full
+    disk never leaves a 0-byte or half-made DB. False when another process created it first."""
+    try:
+        with files.atomic_path(path, exclusive=True) as tmp:
+            con = sqlite3.connect(str(tmp), isolation_level=None)
+            try:
+                schema.create(con, path)
+            finally:
+                con.close()
+    except FileExistsError:
+        return False
+    except sqlite3.DatabaseError as exc:
+        code = sqlite_errno(exc)
+        raise files.OutputError(path, code, "" if code else str(exc)) from None
+    return True
+
+
+def check_writable(path: str | os.PathLike, *, create_parents: bool = True) -> None:
+    """Before a command prints or writes anything: rows can be added at `path` (StoreError or
+    OutputError otherwise, the file untouched): a new file that can be created, or an existing regular
+    file that is ours, undamaged, with a schema we can bring up to date, on writable storage."""
+    p = Path(path)
+    state = inspect(p)
+    if state == "missing":
+        files.check_writable(p, create_parents=create_parents)
+        return
+    if state == "ours":
+        check_integrity(p)
+        con = connect_read_only(p)
+        try:
+            bad = schema.unrepairable(con)
+        finally:
+            con.close()
+        if bad:
+            raise StoreError(f"{p} lacks {', '.join(bad)}, which cannot be added (not a portharness schema "
+                             "we can update); it was left untouched. Pass another --db path.")
+    if not _may_write(p):
+        raise StoreError(f"{p} is read-only ({files.denied_cause(p)}); it was left untouched. Copy it somewhere "
+                         "writable or pass another --db path.")
 
 
 class ResultStore:
@@ -124,12 +124,15 @@ class ResultStore:
         if state == "empty" and not create:
             raise StoreError(f"{self.path} is empty (no portharness schema); nothing to read.")
         self._lock = threading.RLock()
+        self._tx = False  # inside `transaction()`: writes join it instead of committing one by one
         # A DB we may not write (read-only artifact, mount or file) is still readable for matrix/report/diff.
-        self.read_only = read_only or (state == "ours" and not (
-            os.access(self.path, os.W_OK) and os.access(self.path.parent.resolve(), os.W_OK)
-        ))
+        self.read_only = read_only or (state == "ours" and not _may_write(self.path))
         if state == "ours" and not read_only:
             check_integrity(self.path)  # never add rows to a DB with damaged pages
+        made = False
+        if state == "missing" and not self.read_only:
+            made = _new_file(self.path)
+            state = "ours"
         try:
             if self.read_only:
                 self._con = connect_read_only(self.path)
@@ -140,13 +143,21 @@ class ResultStore:
             )
             self._con.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             if state != "ours":
-                self._create_schema()
+                schema.create(self._con, self.path)  # an empty file given as --db
             else:
-                self._add_missing_columns()
+                schema.migrate(self._con, self.path)
             self._set_wal()
             self._con.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{self.path}: cannot open store ({exc}).") from exc
+            self.close()
+            if made:  # no half-made DB left behind
+                remove_db(self.path)
+            raise StoreError(f"{self.path}: cannot open store ({write_cause(exc)}).") from exc
+        except BaseException:
+            self.close()
+            if made:
+                remove_db(self.path)
+            raise
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -162,50 +173,37 @@ class ResultStore:
                     raise
             threading.Event().wait(0.05)
 
-    def _create_schema(self) -> None:
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Every write inside the block commits together or not at all (merge: a full disk midway leaves
+        the destination as it was)."""
         with self._lock:
-            self._con.execute("BEGIN IMMEDIATE")
+            self._write_check()
             try:
-                # Re-check under the write lock: another process may have created a foreign table meanwhile.
-                tables = {
-                    r[0] for r in self._con.execute("SELECT name FROM sqlite_master WHERE type='table'")
-                }
-                if tables and "meta" not in tables:
-                    raise StoreError(f"{self.path} became a foreign SQLite DB while opening; left untouched.")
-                for stmt in _SCHEMA:
-                    self._con.execute(stmt)
-                self._con.execute("INSERT OR IGNORE INTO meta VALUES ('app', ?)", (APP_NAME,))
-                self._con.execute(
-                    "INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-                )
-                self._con.execute("INSERT OR IGNORE INTO meta VALUES ('created_at', ?)", (utc_now(),))
+                self._con.execute("BEGIN IMMEDIATE")
+                self._tx = True
+                yield
                 self._con.execute("COMMIT")
-            except BaseException:
+            except sqlite3.DatabaseError as exc:
+                raise StoreWriteError(f"{self.path}: write failed ({write_cause(exc)}); nothing of it was kept.") from exc
+            finally:
+                self._tx = False
                 if self._con.in_transaction:
                     self._con.execute("ROLLBACK")
-                raise
 
-    def _add_missing_columns(self) -> None:
-        """Tables and columns added since the DB was created: existing rows stay as they are."""
-        for t in TABLES.values():
-            self._con.execute(_create_sql(t))  # IF NOT EXISTS: a DB from before the table gets it
-            have = {r[1] for r in self._con.execute(f"PRAGMA table_info({t.name})")}
-            for c, typ in t.types.items():
-                if c not in have:
-                    try:
-                        self._con.execute(f"ALTER TABLE {t.name} ADD COLUMN {c} {_SQL[typ]}")
-                    except sqlite3.OperationalError as exc:  # another process added it first
-                        if "duplicate column" not in str(exc):
-                            raise
-
-    def _write(self, sql: str, params: Any = (), many: bool = False) -> None:
+    def _write_check(self) -> None:
         if self.read_only:
             raise StoreError(
                 f"{self.path} is read-only (no write permission); copy it elsewhere to add results."
             )
+
+    def _write(self, sql: str, params: Any = (), many: bool = False) -> None:
+        self._write_check()
         with self._lock:
             try:
-                if many:
+                if many and self._tx:
+                    self._con.executemany(sql, params)
+                elif many:
                     self._con.execute("BEGIN IMMEDIATE")
                     try:
                         self._con.executemany(sql, params)
@@ -216,7 +214,7 @@ class ResultStore:
                 else:
                     self._con.execute(sql, params)  # autocommit: durable when this returns
             except sqlite3.DatabaseError as exc:
-                raise StoreError(f"{self.path}: write failed ({exc}).") from exc
+                raise StoreWriteError(f"{self.path}: write failed ({write_cause(exc)}).") from exc
 
     def _query(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
         with self._lock:

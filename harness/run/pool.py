@@ -231,7 +231,9 @@ def die_with_parent() -> None:
 
 def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> None:
     """Child side: announce readiness, then answer each job with `handle(job, phase)` until told to stop;
-    `phase(name)` tells the supervisor which phase the job is in (its time budget may differ)."""
+    `phase(name)` tells the supervisor which phase the job is in (its time budget may differ). Ctrl-C is
+    the supervisor's to handle (it stops every child): a child ignores it rather than print a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     conn.send({"type": "ready", "pid": os.getpid()})
 

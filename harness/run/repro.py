@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from harness import files
 from harness.backends.contracts import CONTRACTS, MULTIPLIER_ARGS, Contract
 from harness.run.opcheck import ULPS, OpFailure
 
@@ -90,10 +91,12 @@ def write_repro(
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / f"{_name(model_id, failure.op)}.py"
     args, kwargs = failure.args
-    torch.save({"args": args, "kwargs": kwargs}, script.with_suffix(".pt"))
+    with files.atomic_path(script.with_suffix(".pt")) as tmp:
+        torch.save({"args": args, "kwargs": kwargs}, tmp)
     schema_name = failure.func._schema.name
     namespace, packet = schema_name.split("::")
-    script.write_text(
+    files.write_text(
+        script,
         _TEMPLATE.format(
             op=failure.op, target=target, contract=contract.name, model_id=model_id, module=failure.module or "(top)",
             inputs=", ".join(failure.inputs), ulps=ULPS, script_name=script.name,

@@ -66,6 +66,7 @@ class RunConfig:
             (self.mem_cap_mb is None or self.mem_cap_mb >= 0, f"--mem-cap-mb {self.mem_cap_mb}: must be >= 0 (0: no cap)"),
             (self.startup_timeout_s > 0, f"startup timeout {self.startup_timeout_s}: must be > 0"),
             (self.rerun_flaky >= 0, f"--rerun-flaky {self.rerun_flaky}: must be >= 0"),
+            (0 <= self.seed < 2**32, f"--seed {self.seed}: must be from 0 to 2**32 - 1 (the random generators' range)"),
         ]
         for ok, message in checks:
             if not ok:

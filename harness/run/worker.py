@@ -9,6 +9,8 @@ how much address space it may add, so a runaway allocation fails here with Memor
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -44,6 +46,12 @@ def worker_main(
     conn: Any, device: str, threads: int, mem_cap_mb: int | None, env: dict[str, str], backends: list[str]
 ) -> None:
     """Child-process entry point (started by the pool from the forkserver)."""
+    # Ctrl-C reaches the whole process group: the supervisor stops the workers and says so once, so a
+    # worker ignores it (no traceback per worker). Its stdout is the CLI's: what a model or a backend
+    # prints goes to stderr, so `--json` output stays JSON.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout.flush()
+    os.dup2(2, 1)
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(max(1, threads))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from harness import files
 from harness.models.configs import find_attr
 from harness.models.heads import candidates
 from harness.models.inputs import default_recipe, make_inputs
@@ -280,7 +281,6 @@ def generate(
     )
     write_model_list(entries, out_path, header)
     if report_path:
-        with open(report_path, "w") as f:
-            json.dump({"counts": counts, "results": results}, f, indent=1, sort_keys=True)
+        files.write_text(report_path, json.dumps({"counts": counts, "results": results}, indent=1, sort_keys=True))
     return counts
 

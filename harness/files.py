@@ -1,0 +1,259 @@
+"""Every file portharness writes goes through here: atomically, with one-line errors.
+
+A file is built in a temporary file next to its destination (same directory, so the final rename is
+atomic), flushed to disk, then renamed over the destination. Whatever fails on the way (a full disk, a
+read-only mount, a directory the user may not write, a parent that is a file) removes the temporary
+file, leaves the old file exactly as it was, and raises `OutputError`: one line naming the path and
+the cause, which the CLI prints with exit 2. A directory of pages (the report) is built the same way
+in a staging directory inside it (`replaced_dir`). Pre-flight checks (`check_writable`) let a command
+refuse an output path before it does any work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+STAGE_PREFIX = ".portharness-new-"
+OLD_PREFIX = ".portharness-old-"
+
+_CAUSES = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a parent is not a directory",
+    errno.ENOENT: "its directory does not exist",
+    errno.EISDIR: "it is a directory",
+    errno.EFBIG: "file too large",
+    errno.ENAMETOOLONG: "name too long",
+    errno.EIO: "input/output error",
+}
+
+
+def cause(code: int | None, detail: str = "") -> str:
+    """'no space left on the device (ENOSPC)': an errno in words (or `detail`, when it says more than
+    the errno's own text), with its name."""
+    name = f" ({errno.errorcode[code]})" if code in errno.errorcode else ""
+    if detail and code and detail != os.strerror(code):
+        return f"{detail}{name}"
+    return f"{_CAUSES.get(code or 0) or detail or 'unknown error'}{name}"
+
+
+class OutputError(Exception):
+    """An output that cannot be written (the path and the cause, in one line); nothing was left behind."""
+
+    def __init__(self, path: str | os.PathLike, code: int | None, detail: str = "") -> None:
+        self.path = str(path)
+        self.errno = code
+        super().__init__(f"cannot write {self.path}: {cause(code, detail)}; nothing was written")
+
+
+def output_error(path: str | os.PathLike, exc: OSError) -> OutputError:
+    """`exc` (an OSError while writing `path`) as an OutputError naming `path`."""
+    return OutputError(path, exc.errno, exc.strerror or str(exc))
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def denied_cause(path: Path) -> str:
+    """Why `path` (which exists) may not be written: a read-only file system, or permissions."""
+    return cause(errno.EROFS if _read_only_fs(path) else errno.EACCES)
+
+
+def check_writable(path: str | os.PathLike, *, create_parents: bool = False, directory: bool = False) -> None:
+    """OutputError unless `path` can be written: its nearest existing ancestor is a directory we may
+    write into (with ``create_parents``; else its parent must exist), and `path` itself is not a
+    directory (or, with ``directory``, not a file). Writes nothing."""
+    p = Path(os.path.abspath(path))
+    if p.exists():
+        if directory and not p.is_dir():
+            raise OutputError(p, errno.ENOTDIR, "exists and is not a directory")
+        if not directory and p.is_dir():
+            raise OutputError(p, errno.EISDIR)
+    parent = p if directory and p.is_dir() else p.parent
+    while not parent.exists():
+        if not create_parents and parent == p.parent:
+            raise OutputError(p, errno.ENOENT, f"directory {parent} does not exist")
+        if parent.is_symlink():  # a dangling link in the way
+            raise OutputError(p, errno.ENOENT, f"{parent} is a dangling link")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(p, errno.ENOTDIR, f"{parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(p, errno.EROFS if _read_only_fs(parent) else errno.EACCES)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _mode_for(dest: Path) -> int:
+    """The mode the new file gets: the old file's, else what the umask allows (mkstemp makes 0600)."""
+    try:
+        return stat.S_IMODE(dest.stat().st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _link(tmp: Path, dest: Path) -> None:
+    """`tmp` becomes `dest` unless `dest` exists (FileExistsError): a hard link is atomic and never
+    clobbers what another process created meanwhile; where the file system has none, a rename after a
+    look (a narrow race, on such file systems only)."""
+    try:
+        os.link(tmp, dest)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise
+        if dest.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(dest)) from None
+        os.rename(tmp, dest)
+
+
+def _remove(*paths: Path) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, exclusive: bool = False) -> Iterator[Path]:
+    """A temporary path next to `path` for the caller to write; when the block ends it is flushed and
+    renamed onto `path` (with ``exclusive``: linked, so an existing `path` is never replaced:
+    FileExistsError). On any error the temporary file (and an SQLite journal of it) is removed and an
+    OSError becomes OutputError naming `path`."""
+    dest = Path(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        os.close(fd)
+    except OSError as e:
+        raise output_error(dest, e) from None
+    tmp = Path(name)
+    leftovers = [tmp, *(tmp.with_name(tmp.name + s) for s in ("-journal", "-wal", "-shm"))]
+    try:
+        yield tmp
+        os.chmod(tmp, _mode_for(dest))
+        _fsync(tmp)
+        if exclusive:
+            _link(tmp, dest)
+        else:
+            os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise output_error(dest, e) from None
+    finally:
+        _remove(*leftovers)
+
+
+def write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` atomically (OutputError on failure, the old file untouched)."""
+    return write_bytes(path, text.encode(encoding))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically (OutputError on failure, the old file untouched)."""
+    dest = Path(path)
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
+    return dest
+
+
+def _swap_in(stage: Path, out: Path, stale: Iterable[str]) -> None:
+    """Move the staged entries into `out`: files by rename, directories swapped whole; then drop the
+    `stale` names the new contents lack."""
+    old = Path(tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{os.getpid()}-", dir=out))
+    new = {e.name for e in stage.iterdir()}
+    for entry in stage.iterdir():
+        dest = out / entry.name
+        if entry.is_dir() and not entry.is_symlink():
+            if dest.is_dir() and not dest.is_symlink():
+                os.rename(dest, old / entry.name)
+            elif dest.exists() or dest.is_symlink():
+                dest.unlink()
+            os.rename(entry, dest)
+        else:
+            if dest.is_dir() and not dest.is_symlink():
+                os.rename(dest, old / entry.name)
+            os.replace(entry, dest)
+    for name in set(stale) - new:
+        gone = out / name
+        if gone.exists() or gone.is_symlink():
+            os.rename(gone, old / name)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out)
+
+
+def _alive(name: str) -> bool:
+    """Whether the process named in a staging directory's name (``<prefix><pid>-...``) still runs."""
+    pid = name.removeprefix(STAGE_PREFIX).removeprefix(OLD_PREFIX).partition("-")[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def replaced_dir(out: str | os.PathLike, *, stale: Iterable[str] = ()) -> Iterator[Path]:
+    """A staging directory inside `out` (created if missing) for the caller to fill with `out`'s new
+    contents; when the block ends they replace the old ones (entries named in `stale` that the new
+    contents lack are removed). On any error the staging directory goes, `out` keeps its old contents
+    (or is removed again if this call created it), and an OSError becomes OutputError naming `out`."""
+    out = Path(out)
+    created = not out.exists()
+    stage: Path | None = None
+    ok = False
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for left in [*out.glob(STAGE_PREFIX + "*"), *out.glob(OLD_PREFIX + "*")]:
+            if not _alive(left.name):  # from a killed build, not one running now
+                shutil.rmtree(left, ignore_errors=True)
+        stage = Path(tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=out))
+        os.chmod(stage, 0o777 & ~_umask())
+        yield stage
+        _swap_in(stage, out, stale)
+        ok = True
+    except OSError as e:
+        raise output_error(out, e) from None
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        if created and not ok:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
