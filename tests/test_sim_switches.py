@@ -251,3 +251,20 @@ def test_transformers_flex_attention_model_fails_naming_it():
     with sim.op_profile("full"), pytest.raises(Exception, match="FlexAttention is only supported on") as info:
         model(torch.randint(0, 64, (1, 8)).to("sim"))
     assert "AssertionError" not in str(info.value)
+
+
+# --- planted slowdowns ----------------------------------------------------------------------------
+
+
+def test_slow_ops_spec_and_switch():
+    from harness.sim.slowdown import parse_slow_ops
+
+    assert parse_slow_ops("aten::_softmax:3, aten::add.Tensor:1.5") == {"aten::_softmax": 3.0, "aten::add.Tensor": 1.5}
+    for bad in ("softmax:3", "aten::_softmax", "aten::_softmax:0.5", "aten::_softmax:x"):
+        with pytest.raises(ValueError, match="expected 'aten::op:FACTOR'"):
+            parse_slow_ops(bad)
+    x = torch.randn(4, 64)
+    with sim.slow_ops("aten::softmax:4"):  # names the kernel under the composite too
+        assert sim.get_slow_ops() == {"aten::softmax": 4.0}
+        got = torch.softmax(x.to("sim"), -1).cpu()
+    assert sim.get_slow_ops() == {} and torch.equal(got, torch.softmax(x, -1))  # slower, never different

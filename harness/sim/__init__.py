@@ -21,6 +21,8 @@ numerics   PORTHARNESS_SIM_NUMERICS     set_numerics_bugs / numerics_bugs()   pl
                                                                               bf16-accumulate, softmax-
                                                                               no-max, approx-exp, gelu-
                                                                               mixup, grad-scale
+slowdown   PORTHARNESS_SIM_SLOW_OPS     set_slow_ops / slow_ops()             planted slow kernels,
+                                                                              e.g. aten::_softmax:3
 fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             off (default), cpu: ops
                                         fallback_counts()                     outside the profile run
                                                                               on the host, counted
@@ -71,6 +73,7 @@ from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
 from .precision import get_precision, precision, set_precision
+from .slowdown import get_slow_ops, set_slow_ops, slow_ops
 
 # Submodules are fetched this way because the context managers re-exported above shadow their names.
 _device_mod = importlib.import_module(".device", __package__)
@@ -88,6 +91,7 @@ __all__ = [
     "get_numerics_bugs",
     "get_op_profile",
     "get_precision",
+    "get_slow_ops",
     "injected_counts",
     "is_registered",
     "memory_size",
@@ -104,7 +108,9 @@ __all__ = [
     "set_numerics_bugs",
     "set_op_profile",
     "set_precision",
+    "set_slow_ops",
     "settings",
+    "slow_ops",
 ]
 
 BACKEND_NAME = "sim"

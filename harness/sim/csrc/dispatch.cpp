@@ -43,6 +43,7 @@
 #include <array>
 #include <cstdlib>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -66,6 +67,8 @@ struct OpInfo {
   std::atomic<uint64_t> profile_gen{0};
   std::atomic<bool> allowed{true};
   std::atomic<uint64_t> traced_in{0};  // the trace that last recorded it
+  std::atomic<uint64_t> slow_gen{0};
+  std::atomic<double> slowdown{1.0};  // planted slowdown: the kernel takes this many times as long
   std::vector<int> reduced;     // operands a bf16 multiplier sees at `default` precision
   std::vector<int> generators;  // Generator? arguments: sim passes the device's own RNG
   std::vector<int> writes;      // arguments written (in-place, out=)
@@ -208,6 +211,9 @@ std::atomic<bool> tracing{false};
 std::atomic<uint64_t> trace_epoch{1};
 std::set<std::string> traced;
 std::atomic<uint64_t> faulty{0};
+std::map<std::string, double> slow_ops;  // planted slowdowns by op name (guarded by switch_mutex)
+std::atomic<uint64_t> slow_gen{1};
+std::atomic<bool> any_slow{false};
 std::atomic<LaunchHook> launch_hook{nullptr};
 
 [[noreturn]] void unsupported(const OpInfo& info, bool missing_host_kernel) {
@@ -237,6 +243,32 @@ bool allowed(OpInfo& info) {
     info.profile_gen.store(profile_gen.load(), std::memory_order_release);
   }
   return info.allowed.load(std::memory_order_relaxed);
+}
+
+// The planted slowdown of `info` (1: none). Names as the census spells them; aten::softmax also means
+// aten::_softmax (the kernel under the composite the user calls).
+double slowdown_of(OpInfo& info) {
+  uint64_t gen = slow_gen.load(std::memory_order_acquire);
+  if (info.slow_gen.load(std::memory_order_acquire) != gen) {
+    std::lock_guard<std::mutex> lock(switch_mutex);
+    double factor = 1.0;
+    std::string plain = info.base;
+    if (plain.rfind("aten::_", 0) == 0) plain = "aten::" + plain.substr(7);
+    for (const std::string& name : {info.display, info.full, info.base, plain}) {
+      auto it = slow_ops.find(name);
+      if (it != slow_ops.end()) factor = it->second;
+    }
+    info.slowdown.store(factor);
+    info.slow_gen.store(slow_gen.load(), std::memory_order_release);
+  }
+  return info.slowdown.load(std::memory_order_relaxed);
+}
+
+// Busy, not asleep: a slow kernel keeps the (host) device working, so profilers see it as the op's time.
+void busy_for(std::chrono::steady_clock::duration d) {
+  auto end = std::chrono::steady_clock::now() + d;
+  while (std::chrono::steady_clock::now() < end) {
+  }
 }
 
 // Every sim kernel starts here: the trace, then the profile (or the fallback counter). False: the op is
@@ -598,11 +630,16 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
 
+  const double slowdown = any_slow.load(std::memory_order_relaxed) ? slowdown_of(info) : 1.0;
+  const auto started = std::chrono::steady_clock::now();
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   } catch (const c10::NotImplementedError& e) {
     if (e.msg().find("from the 'CPU' backend") != std::string::npos) unsupported(info, true);
     throw;
+  }
+  if (slowdown > 1.0) {
+    busy_for(std::chrono::duration_cast<std::chrono::steady_clock::duration>((std::chrono::steady_clock::now() - started) * (slowdown - 1.0)));
   }
 
   for (const Converted& c : call.converted) {
@@ -910,6 +947,13 @@ void set_reduced_precision(bool on) { reduced_precision.store(on); }
 void clear_round_cache() { clear_rounded(); }
 
 void set_fallback_cpu(bool on) { fallback_cpu.store(on); }
+
+void set_slow_ops(const std::map<std::string, double>& ops) {
+  std::lock_guard<std::mutex> lock(switch_mutex);
+  slow_ops = ops;
+  slow_gen.fetch_add(1);
+  any_slow.store(!ops.empty());
+}
 
 std::vector<std::pair<std::string, int64_t>> fallback_counts() {
   std::lock_guard<std::mutex> lock(switch_mutex);

@@ -4,6 +4,7 @@
 
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 namespace {
 
@@ -66,6 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_reduced_precision", &sim::set_reduced_precision);
   m.def("clear_round_cache", &sim::clear_round_cache, "drop the bf16-rounded copies of parameters");
   m.def("set_fallback_cpu", &sim::set_fallback_cpu);
+  m.def("set_slow_ops", &sim::set_slow_ops, py::arg("ops"), "op name -> slowdown factor (empty: none)");
   m.def("fallback_counts", [] {
     py::dict out;
     for (const auto& [name, n] : sim::fallback_counts()) out[py::str(name)] = n;

@@ -56,6 +56,7 @@ void register_device();  // the device guard and the DeviceAllocator
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -66,6 +67,8 @@ void set_profile(std::optional<std::vector<std::string>> ops, const std::string&
 void set_reduced_precision(bool on);
 void clear_round_cache();
 void set_fallback_cpu(bool on);
+// Planted slowdowns: each named op's kernel takes `factor` times as long (host time, spent busy).
+void set_slow_ops(const std::map<std::string, double>& ops);
 std::vector<std::pair<std::string, int64_t>> fallback_counts();
 void reset_fallback_counts();
 void start_trace();

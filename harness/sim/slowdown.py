@@ -1,0 +1,72 @@
+"""Planted slowdowns: one op's kernel N times slower, for testing speed verdicts.
+
+A speed regression on real hardware is usually one kernel that got slower (a lost fusion, a fallback
+to a slow path). ``aten::_softmax:3`` makes every softmax kernel on sim take three times as long: the
+extra time is spent busy on the host (sim's device), so wall clocks and profilers (self time by op)
+both see it. Names are as sim's op census spells them (``aten::_softmax``, ``aten::addmm``,
+``aten::add.Tensor``); ``aten::softmax`` also names ``aten::_softmax``, the kernel under the composite
+a model calls.
+
+Switch: env ``PORTHARNESS_SIM_SLOW_OPS`` (``aten::_softmax:3,aten::gelu:1.5``), `set_slow_ops()`, or the
+`slow_ops()` context manager.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .native import ext
+
+SLOW_OPS_ENV = "PORTHARNESS_SIM_SLOW_OPS"
+
+
+def parse_slow_ops(spec: str) -> dict[str, float]:
+    """``aten::_softmax:3,aten::gelu:1.5`` -> {"aten::_softmax": 3.0, "aten::gelu": 1.5}; ValueError
+    naming the bad entry."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, factor = item.rpartition(":")
+        try:
+            value = float(factor)
+        except ValueError:
+            value = float("nan")
+        if not sep or "::" not in name or not value >= 1.0:
+            raise ValueError(f"{SLOW_OPS_ENV}: bad entry {item!r}; expected 'aten::op:FACTOR' with FACTOR >= 1, "
+                             "e.g. 'aten::_softmax:3'")
+        out[name] = value
+    return out
+
+
+_active: dict[str, float] = {}
+
+
+def _apply(ops: dict[str, float]) -> dict[str, float]:
+    ext.set_slow_ops(ops)
+    return ops
+
+
+def get_slow_ops() -> dict[str, float]:
+    return dict(_active)
+
+
+def set_slow_ops(ops: dict[str, float] | str) -> None:
+    """Plant these slowdowns (a dict or a spec string; empty: every kernel at its own speed)."""
+    global _active
+    _active = _apply(parse_slow_ops(ops) if isinstance(ops, str) else dict(ops))
+
+
+@contextmanager
+def slow_ops(ops: dict[str, float] | str) -> Iterator[None]:
+    """Run the block with these slowdowns planted."""
+    prev = _active
+    set_slow_ops(ops)
+    try:
+        yield
+    finally:
+        set_slow_ops(prev)
+
+
+if os.environ.get(SLOW_OPS_ENV):
+    set_slow_ops(os.environ[SLOW_OPS_ENV])
