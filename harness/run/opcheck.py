@@ -78,6 +78,8 @@ def judge_output(target: torch.Tensor, expected: torch.Tensor, oracle: torch.Ten
     """(ok, ratio, note) for one float output of one op; all CPU tensors."""
     if target.shape != expected.shape:
         return False, None, f"shape {list(target.shape)} vs expected {list(expected.shape)}"
+    if target.dtype != expected.dtype:  # a kernel that returns another dtype is wrong, however close its values
+        return False, None, f"dtype {str(target.dtype).removeprefix('torch.')} vs expected {str(expected.dtype).removeprefix('torch.')}"
     if target.dtype == expected.dtype and torch.equal(target, expected):
         return True, 0.0, ""  # bit-identical to the contract's own result: nothing to measure
     t, e = target.double(), expected.double()
