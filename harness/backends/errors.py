@@ -52,7 +52,7 @@ MISSING_OP: tuple[Pattern, ...] = (
     Pattern(
         "cannot-run",
         re.compile(r"\bcannot run '?(?P<op>aten(?:::|\.)\w+(?:\.\w+)?)'?"),
-        "NotImplementedError: toy cannot run aten.as_strided_.default yet: no kernel in this release",
+        "NotImplementedError: toy cannot run aten.as_strided_.default yet: planned for a later release",
     ),
     Pattern(
         "overrideable",

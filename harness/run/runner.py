@@ -27,7 +27,7 @@ from harness.results.store import ResultStore
 from harness.run import policy
 from harness.run.pipeline import CAP_TOO_SMALL, Task
 from harness.run.pool import PRELOAD, Event, Pool, Worker, context
-from harness.run.worker import task_payload, worker_main
+from harness.run.worker import WORKER_IMPORTS, task_payload, worker_main
 
 
 @dataclass
@@ -192,7 +192,7 @@ class _Run:
         # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
         fork_here = config.fork_workers and not worker_env
         self.pool = Pool(
-            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker"]),
+            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker", *WORKER_IMPORTS]),
             worker_main,
             # the forkserver's environment is from whenever it started; workers get today's
             lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
@@ -286,7 +286,10 @@ class _Run:
             _, m, recorded = self.finished.pop(job.id)
             self._count(m, recorded, -1)
             self.progress.update(-1)
-            self._apply(job, m, policy.reopen(self.fleet, job))
+            verdict = policy.reopen(self.fleet, job)
+            if verdict.retry:
+                self._write(job, m, "device_error")  # not its result any more: a resume re-runs it meanwhile
+            self._apply(job, m, verdict)
         if not self.fleet.active:
             self.progress.write("portharness: every device is quarantined; stopping (resume later with --resume)",
                                 file=sys.stderr)

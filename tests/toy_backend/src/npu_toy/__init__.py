@@ -160,7 +160,7 @@ def _broken_error(op, form: str, args) -> Exception:
     if form == "dtype":
         dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
         return RuntimeError(f"toy: kernel {name} does not support dtype '{_SCALAR_NAMES.get(dtype, str(dtype))}'")
-    return NotImplementedError(f"toy cannot run aten.{name}.{op._overloadname} yet: no kernel in this release")
+    return NotImplementedError(f"toy cannot run aten.{name}.{op._overloadname} yet: planned for a later release")
 
 
 def _launch() -> None:

@@ -1,10 +1,11 @@
 """The toy device server and its client: tensors behind a small op server on 127.0.0.1.
 
 Server: ``TORCH_DEVICE_BACKEND_AUTOLOAD=0 python -m npu_toy.remote --port 0 --port-file F [--stall-file S]
-[--max-s 1800]`` (autoload off: the package would load itself while importing torch): one thread
-and one `Executor` (its buffers) per client connection; the chosen port is written to F. While the file
-S exists it answers nothing (a hung device); it exits on SIGTERM/SIGINT, or after ``--max-s`` seconds
-whatever happens, so a test cannot leave it behind.
+[--kill-file K] [--max-s 1800]`` (autoload off: the package would load itself while importing torch):
+one thread and one `Executor` (its buffers) per client connection; the chosen port is written to F.
+While the file S exists it answers nothing (a hung device); once K exists it dies (a lost device);
+it exits on SIGTERM/SIGINT, or after ``--max-s`` seconds whatever happens, so a test cannot leave it
+behind.
 
 Client: `Client` (``TOY_SERVER=127.0.0.1:PORT``, ``TOY_TIMEOUT`` seconds per call, 10 by default)
 raises what a real client raises when the device side is gone: ConnectionRefusedError (no server),
@@ -126,7 +127,8 @@ def _serve_client(conn: socket.socket, stall_file: str | None, stop: threading.E
                 return
 
 
-def serve(port: int, port_file: str | None = None, stall_file: str | None = None, max_s: float = 1800.0) -> None:
+def serve(port: int, port_file: str | None = None, stall_file: str | None = None, max_s: float = 1800.0,
+          kill_file: str | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -138,6 +140,8 @@ def serve(port: int, port_file: str | None = None, stall_file: str | None = None
             tmp.replace(port_file)
         deadline = time.monotonic() + max_s
         while not stop.is_set() and time.monotonic() < deadline:
+            if kill_file and os.path.exists(kill_file):
+                os._exit(1)  # dies on the spot: clients see their connections reset
             try:
                 conn, _ = srv.accept()
             except TimeoutError:
@@ -150,9 +154,10 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--port-file")
     p.add_argument("--stall-file", help="while this file exists, the device answers nothing")
+    p.add_argument("--kill-file", help="once this file exists, the device dies")
     p.add_argument("--max-s", type=float, default=1800.0, help="exit after this long, whatever happens")
     a = p.parse_args()
-    serve(a.port, a.port_file, a.stall_file, a.max_s)
+    serve(a.port, a.port_file, a.stall_file, a.max_s, a.kill_file)
 
 
 if __name__ == "__main__":
