@@ -122,6 +122,7 @@ class Quarantined:
     spare: str | None  # the hot spare brought in, if any
     relabel: list[Job]  # jobs recorded as flaky only because of this device: their last result stands
     reopen: list[Job] = field(default_factory=list)  # jobs recorded with a death on it: not their result
+    why: str = ""  # the evidence, in words
 
 
 @dataclass
@@ -229,8 +230,15 @@ def pick_job(fleet: Fleet, device: str, queue: Iterable[Job]) -> Job | None:
     return None
 
 
-def quarantine(fleet: Fleet, device: str) -> Quarantined:
+def quarantine(fleet: Fleet, device: str, canary_died: bool = False) -> Quarantined:
     """Take `device` out of service; bring in a hot spare if one is held back."""
+    streak = [j.id for j in fleet.deaths.get(device, [])]
+    why = ", ".join(
+        ([f"{fleet.strikes[device]} strike(s) (device faults, models that ran cleanly elsewhere)"]
+         if fleet.strikes[device] else [])
+        + ([f"{len(streak)} different model(s) whose worker died there with none surviving in between "
+            f"({', '.join(streak[:3])}{' ...' if len(streak) > 3 else ''})"] if streak else [])
+        + ([f"then its canary {fleet.canary[device]}, which it ran before, died too"] if canary_died else []))
     fleet.quarantined.append(device)
     fleet.probation.pop(device, None)
     fleet.probing.discard(device)
@@ -241,7 +249,7 @@ def quarantine(fleet: Fleet, device: str) -> Quarantined:
         spare = fleet.spares.pop(0)
         fleet.active.append(spare)
         fleet.spares_used.append(spare)
-    return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []))
+    return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why)
 
 
 def _judge(fleet: Fleet, device: str, out: Settled) -> None:
@@ -365,7 +373,7 @@ def _probe_done(fleet: Fleet, device: str, kind: str, out: Settled) -> None:
         return
     if kind in ("fault", "death"):  # it no longer runs a model it ran before
         fleet.faults_seen += kind == "fault"
-        out.quarantined.append(quarantine(fleet, device))
+        out.quarantined.append(quarantine(fleet, device, canary_died=True))
         return
     fleet.deaths.pop(device, None)  # it still does: the streak was the models'
     _judge(fleet, device, out)

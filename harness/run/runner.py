@@ -257,8 +257,7 @@ class _Run:
             self.with_fallback[outcome] += n
 
     def _quarantine(self, q: policy.Quarantined) -> None:
-        self.progress.write(f"portharness: quarantining {q.device} after {self.fleet.strikes[q.device]} "
-                            "device-attributable failures", file=sys.stderr)
+        self.progress.write(f"portharness: quarantining {q.device}: {q.why}", file=sys.stderr)
         if q.spare:
             self.progress.write(f"portharness: bringing in hot spare {q.spare}", file=sys.stderr)
         for w in [w for w in self.pool.workers if w.key == q.device]:
