@@ -26,7 +26,9 @@ The attribution rule (`settle`), one row per kind of evidence from one attempt o
   death (segfault, hang) on D           | provisionally: M joins D's   | retried (--retries) on a       | the death, from a trusted
                                         | streak                       | device it has not died on, D   | D; from an untrusted D
                                         |                              | again if D is the only one     | only after one more try
-                                        |                              |                                | at the end of the queue
+                                        |                              |                                | after the rest of the
+                                        |                              |                                | queue (if any: it may
+                                        |                              |                                | vouch for a device)
     ... then D survives another model   | streak revoked               |                                |
     ... then M dies on a trusted D' too | M's part revoked: M fails    |                                | that death
                                         | by itself                    |                                |
