@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from harness.outcomes import OUTCOMES, headline
+from harness.outcomes import DEVICE_SIDE, OUTCOMES, headline
 from harness.results.rows import PHASES
 
 SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
@@ -183,7 +183,10 @@ def headline_line(counts: dict[str, int]) -> str:
     h = headline(counts)
     ran = f"{h['ran_pct']:.1f}%" if h["ran_pct"] is not None else "-"
     matched = f"{h['matched_pct']:.1f}%" if h["matched_pct"] is not None else "-"
-    return f"  ran {ran} ({h['ran']}/{h['tested']}) | numerics matched {matched} ({h['matched']}/{h['ran']})"
+    left_out = ", ".join(f"{o} {n}" + (" (pending: rerun with --resume)" if o in DEVICE_SIDE else "")
+                         for o, n in h["excluded"].items())
+    return (f"  ran {ran} ({h['ran']}/{h['tested']}) | numerics matched {matched} ({h['matched']}/{h['ran']})"
+            + (f" | not counted: {left_out}" if left_out else ""))
 
 
 def outcome_line(counts: dict[str, int]) -> str:

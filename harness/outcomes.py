@@ -72,9 +72,10 @@ def check(outcome: str) -> str:
     return outcome
 
 
-def headline(counts: dict[str, int]) -> dict[str, float | int | None]:
+def headline(counts: dict[str, int]) -> dict[str, float | int | dict[str, int] | None]:
     """TorchTPU's two figures: ran % of the models the target was asked to run (reference-side and
-    device-side outcomes excluded), and numerics matched % of those that ran."""
+    device-side outcomes excluded), and numerics matched % of those that ran. `excluded` says which rows
+    the denominator leaves out (outcome -> rows), so no reader mistakes a lost device for a small run."""
     tested = sum(n for o, n in counts.items() if o not in NOT_THE_MODELS)
     ran = sum(n for o, n in counts.items() if o in RAN)
     matched = sum(n for o, n in counts.items() if o in MATCHED)
@@ -84,4 +85,5 @@ def headline(counts: dict[str, int]) -> dict[str, float | int | None]:
         "matched": matched,
         "ran_pct": 100.0 * ran / tested if tested else None,
         "matched_pct": 100.0 * matched / ran if ran else None,
+        "excluded": {o: counts[o] for o in OUTCOMES if o in NOT_THE_MODELS and counts.get(o)},
     }

@@ -58,6 +58,23 @@ class PathoModel(PreTrainedModel):
         if b == "detach-grad" and input_ids.device.type != "cpu":  # the target loses proj.weight's gradient
             h = self.embed(input_ids)
             return BaseModelOutput(last_hidden_state=h @ self.proj.weight.detach().t() + self.proj.bias)
+        if b == "norm":  # a well-behaved model with a layer norm
+            h = self.proj(self.embed(input_ids))
+            return BaseModelOutput(last_hidden_state=torch.nn.functional.layer_norm(h, h.shape[-1:]))
+        if b == "oom-ref":  # too big everywhere: the CPU reference exhausts a capped worker's allocator
+            torch.empty(2**33, dtype=torch.uint8, device=input_ids.device)
+        if b == "kill-device-once" and input_ids.device.type != "cpu":
+            mark = os.path.join(self.config._name_or_path, "killed-once")
+            if not os.path.exists(mark):  # its first target run kills the device (touches PATHO_KILL_FILE)
+                open(mark, "w").close()
+                open(os.environ["PATHO_KILL_FILE"], "w").close()
+                time.sleep(1.0)  # long enough for a device server to notice and go
+        if b.startswith("crash-once") and input_ids.device.type != "cpu":
+            mark = os.path.join(self.config._name_or_path, "crashed-once")
+            if not os.path.exists(mark):  # its first target run segfaults; later ones reach a cumsum
+                open(mark, "w").close()
+                os.kill(os.getpid(), signal.SIGSEGV)
+            return BaseModelOutput(last_hidden_state=torch.cumsum(self.proj(self.embed(input_ids)), 1))
         if input_ids.device.type != "cpu":
             b = self.config.behaviour
             if b == "crash":
@@ -81,7 +98,11 @@ def _load_module(path: Path, name: str):
 def build(root: Path, behaviour: str) -> Path:
     """Write a checkpoint dir whose model misbehaves (`crash`, `hang`, `oom`, `none`) off the CPU, takes
     long to load (`slow-load:SECONDS`, an hour without SECONDS), or in train mode draws random numbers
-    (`noisy-train`) or loses a gradient on the target (`detach-grad`)."""
+    (`noisy-train`) or loses a gradient on the target (`detach-grad`); `norm` ends in a layer norm;
+    `oom-ref` allocates 8 GiB on every device, the CPU included; `crash-once[:tag]` segfaults on its
+    first run off the CPU, then computes a cumsum (which the toy backend lacks); `kill-device-once`
+    creates the file named by PATHO_KILL_FILE on its first run off the CPU (a device's dead file, or its
+    server's kill file), then behaves."""
     import torch
 
     d = root / f"patho-{behaviour.replace(':', '-')}"

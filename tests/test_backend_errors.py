@@ -9,11 +9,15 @@ from harness.backends.errors import MISSING_OP, MissingOp, is_device_fault_messa
 
 EXPECTED = {
     "dispatcher": MissingOp("aten::relu"),
+    "relayed-dispatcher": MissingOp("aten::histc"),
+    "cannot-run": MissingOp("aten::as_strided_"),
     "overrideable": MissingOp("aten::convolution_overrideable"),
     "python-backend": MissingOp("aten::sort"),
     "python-backend-prefix": MissingOp("aten::_fft_r2c"),
     "dtype-only": MissingOp("aten::index_add", "Long"),
-    "dtype-not-implemented": MissingOp("baddbmm_cuda", "Int"),
+    "dtype-not-implemented": MissingOp("aten::baddbmm", "Int"),
+    "bare-op-dtype": MissingOp("aten::mul", "Int"),
+    "bare-op": MissingOp("aten::add"),
     "flex-attention": MissingOp("flex_attention"),
 }
 
@@ -21,7 +25,40 @@ EXPECTED = {
 @pytest.mark.parametrize("pattern", MISSING_OP, ids=lambda p: p.name)
 def test_every_pattern_parses_its_example(pattern) -> None:
     assert pattern.regex.search(pattern.example), pattern.name
-    assert parse_missing_op(pattern.example, "toy") == EXPECTED[pattern.name]
+    assert parse_missing_op(pattern.example, "toy", relayed=pattern.relayed) == EXPECTED[pattern.name]
+
+
+def test_op_names_are_normalised_and_the_dtype_kept() -> None:
+    assert parse_missing_op("NotImplementedError: op aten.add.Tensor is not implemented", "toy").op == "aten::add.Tensor"
+    assert parse_missing_op("The operator 'aten::_linalg_eigh' is not currently implemented for the MPS device",
+                            "mps") == MissingOp("aten::_linalg_eigh")
+    assert parse_missing_op('"addmm_impl_cpu_" not implemented for \'Half\'', "toy") == MissingOp("aten::addmm", "Half")
+
+
+def test_a_relayed_dispatcher_error_is_the_targets_gap_only_when_the_backend_raised_it() -> None:
+    cpu = "Could not run 'aten::histc' with arguments from the 'CPU' backend. This could be because"
+    assert parse_missing_op(cpu, "toy") is None
+    assert parse_missing_op(cpu, "toy", relayed=True) == MissingOp("aten::histc")
+    # the adapter decides from the traceback: raised in the backend's own package, or not
+    assert adapter_for("cpu").parse_missing_op(NotImplementedError(cpu.replace("CPU", "CUDA"))) is None
+
+
+def test_device_faults_are_read_from_the_whole_chain_and_from_connection_errors() -> None:
+    a = adapter_for("toy")
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as e:
+            raise ValueError("tiny/x: could not load (ConnectionRefusedError)") from e
+    except ValueError as wrapped:
+        assert isinstance(a.blames_device(wrapped, "target"), ConnectionRefusedError)
+        # while loading, only the backend's own client counts: a model's download failing is not the device's
+        assert a.blames_device(wrapped, "load") is None
+    lost = RuntimeError("wrapper")
+    lost.__context__ = RuntimeError("toy device lost: the device stopped responding")
+    assert a.blames_device(lost, "load") is lost.__context__
+    assert a.blames_device(TimeoutError("timed out"), "target") is not None
+    assert a.blames_device(KeyError("x"), "target") is None
 
 
 def test_the_table_and_the_expectations_agree() -> None:

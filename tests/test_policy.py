@@ -50,15 +50,27 @@ def test_a_crash_is_retried_elsewhere_and_cordons_its_device() -> None:
     assert job.avoid == {"d0"} and f.probation == {"d0": {"a"}}
     fresh = Job("b")
     # d0 is cordoned: it takes only retries; d1 takes the fresh job, and the retry avoids d0
-    assert policy.pick_job(f, "d0", [fresh], ["d0", "d1"]) is None
-    assert policy.pick_job(f, "d1", [job, fresh], ["d0", "d1"]) is job
-    assert policy.pick_job(f, "d0", [job, fresh], ["d0", "d1"]) is None
+    assert policy.pick_job(f, "d0", [fresh]) is None
+    assert policy.pick_job(f, "d1", [job, fresh]) is job
+    assert policy.pick_job(f, "d0", [job, fresh]) is None
 
 
-def test_a_retry_may_return_to_its_device_when_every_worker_failed_it() -> None:
+def test_a_retry_may_return_to_its_device_when_every_active_device_failed_it() -> None:
     f = fleet(2)
     job = Job("a", avoid={"d0", "d1"})
-    assert policy.pick_job(f, "d0", [job], ["d0", "d1"]) is job
+    assert policy.pick_job(f, "d0", [job]) is job
+    one = fleet(1)  # one device: "elsewhere" is the same device
+    assert policy.pick_job(one, "d0", [Job("b", avoid={"d0"})]).id == "b"
+
+
+def test_a_retry_waits_for_a_device_it_has_not_failed_on_and_an_idle_worker_moves_there() -> None:
+    f = fleet(2)
+    job = Job("a", avoid={"d0"})
+    assert policy.pick_job(f, "d0", [job]) is None  # one worker, on d0: it should not take it back
+    assert policy.idle_move(f, [job], Counter({"d0": 1})) == "d1"
+    assert policy.idle_move(f, [job], Counter({"d0": 1, "d1": 1})) is None  # d1's worker will take it
+    assert policy.pick_device(f, Counter(), [job]) == "d1"  # a new worker goes where the head job can run
+    assert policy.pick_device(f, Counter({"d1": 1}), [job]) == "d0"  # ... but the fewest workers first
 
 
 def test_failed_then_passed_elsewhere_is_flaky_and_strikes_the_first_device() -> None:
@@ -93,7 +105,7 @@ def test_device_faults_strike_at_once_and_count() -> None:
     verdict = policy.settle(f, job, m("device_error", device_fault=True), "d0", 1.0)
     assert f.faults_seen == 1 and [q.device for q in verdict.quarantined] == ["d0"]
     assert verdict.retry  # re-run on a healthy device
-    assert policy.pick_job(f, "d0", [job], ["d0", "d1"]) is None  # quarantined devices take nothing
+    assert policy.pick_job(f, "d0", [job]) is None  # quarantined devices take nothing
     passed = policy.settle(f, job, m("pass"), "d1", 1.0)
     assert passed.outcome == "pass" and f.strikes["d0"] == 1  # not struck twice for one fault
 
@@ -102,7 +114,7 @@ def test_a_device_fault_never_makes_a_model_flaky_nor_uses_its_retries() -> None
     f = fleet(3, quarantine_after=5, retries=0)
     job = Job("a")
     assert policy.settle(f, job, m("device_error", device_fault=True), "d0", 1.0).retry
-    assert policy.pick_job(f, "d0", [job], ["d0"]) is None  # never back to the device that failed it
+    assert policy.pick_job(f, "d0", [job]) is None  # never back to the device that failed it
     assert policy.settle(f, job, m("pass"), "d1", 1.0).outcome == "pass"
     other = Job("b")
     assert policy.settle(f, other, m("device_error", device_fault=True), "d0", 1.0).retry
@@ -140,7 +152,7 @@ def test_a_different_failure_elsewhere_is_recorded_as_is() -> None:
     job = Job("a")
     policy.settle(f, job, m("crash"), "d0", 1.0)
     verdict = policy.settle(f, job, m("unsupported_op"), "d1", 1.0)
-    assert verdict.outcome == "unsupported_op" and job.last is not None
+    assert verdict.outcome == "unsupported_op" and not f.strikes  # not a clean run: no evidence against d0
 
 
 def test_interrupted_attempts_do_not_use_the_retry_budget() -> None:
@@ -154,7 +166,9 @@ def test_interrupted_attempts_do_not_use_the_retry_budget() -> None:
 
 def test_no_retry_without_a_healthy_device() -> None:
     f = Fleet([], quarantined=["d0", "d1"])
-    assert policy.settle(f, Job("a"), m("crash"), "d0", 1.0).outcome == "crash"
+    verdict = policy.settle(f, Job("a"), m("crash"), "d0", 1.0)  # a quarantined device's answer is not the model's
+    assert verdict.outcome == "device_error" and verdict.pending
+    assert policy.settle(Fleet(["d1"]), Job("b"), m("crash"), "d1", 1.0).retry  # a retry, on the same device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,3 +211,125 @@ def test_a_model_whose_attempts_disagreed_is_rerun_and_one_that_agreed_is_not() 
 )
 def test_rerun_verdict(first: str, reruns: list[str], verdict: str) -> None:
     assert policy.rerun_verdict(first, reruns) == verdict
+
+
+# ----------------------------------------------------------------------------------------------
+# The attribution rule (policy.py's docstring), as a table: what each attempt's evidence does
+# ----------------------------------------------------------------------------------------------
+
+EVIDENCE = {  # shorthand -> (measurement, phase where the worker died, "" for a result it sent)
+    "pass": (m("pass"), ""),
+    "drift": (m("drift"), ""),
+    "unsupported": (m("unsupported_op"), ""),
+    "raised": (m("crash", error_type="RuntimeError"), ""),  # an exception: the worker lived
+    "ref_fail": (m("ref_fail"), ""),
+    "fault": (m("device_error", device_fault=True), ""),
+    "segv": (m("crash", error_type="WorkerDied", signal=11), "target"),
+    "hang": (m("timeout", error_type="Timeout", signal=9), "target"),
+    "segv-in-reference": (m("crash", error_type="WorkerDied", signal=11), "reference"),
+}
+
+
+def verdict_text(v: policy.Settled) -> str:
+    parts = ["defer" if v.defer else "retry"] if v.retry else [f"={v.outcome}"] if v.outcome else []
+    parts += ["pending"] if v.pending else []
+    parts += ["probe"] if v.probes else []
+    parts += [f"q:{q.device}" + (f"+{q.spare}" if q.spare else "") for q in v.quarantined]
+    parts += [f"reopen:{j.id}" for q in v.quarantined for j in q.reopen]
+    return " ".join(parts)
+
+
+# (name, devices, spares, quarantine_after, retries, steps: (model, device, evidence, expected verdict),
+#  then (quarantined devices, final outcome per model))
+TABLE = [
+    ("one device, a model segfaults deterministically: its crash, no quarantine", 1, 0, 2, 1,
+     [("a", "d0", "pass", "=pass"), ("x", "d0", "segv", "retry"), ("x", "d0", "segv", "=crash"),
+      ("b", "d0", "pass", "=pass")],
+     ([], {"a": "pass", "x": "crash", "b": "pass"})),
+    ("one device, two crashers in a row: the canary re-runs, survives, the streak is revoked", 1, 0, 2, 1,
+     [("a", "d0", "pass", "=pass"), ("x", "d0", "segv", "retry"), ("x", "d0", "segv", "=crash"),
+      ("y", "d0", "segv", "retry probe"), ("probe", "d0", "pass", ""), ("y", "d0", "segv", "=crash"),
+      ("b", "d0", "pass", "=pass")],
+     ([], {"a": "pass", "x": "crash", "y": "crash", "b": "pass"})),
+    ("one device, a crash then unsupported_op on the retry (issue 25.1): the same device is not elsewhere", 1, 0, 2, 1,
+     [("a", "d0", "raised", "retry"), ("a", "d0", "unsupported", "=unsupported_op"),
+      ("b", "d0", "raised", "retry"), ("b", "d0", "unsupported", "=unsupported_op"), ("c", "d0", "pass", "=pass")],
+     ([], {"a": "unsupported_op", "b": "unsupported_op", "c": "pass"})),
+    ("one device that kills every model from the start: quarantined, its victims pending", 1, 0, 2, 1,
+     [("a", "d0", "segv", "retry"), ("a", "d0", "segv", "defer"), ("b", "d0", "segv", "=device_error pending q:d0")],
+     (["d0"], {"b": "device_error"})),
+    ("one device that stops working mid-run: the canary dies too; its earlier victim is re-opened", 1, 0, 2, 1,
+     [("c", "d0", "pass", "=pass"), ("a", "d0", "segv", "retry"), ("a", "d0", "segv", "=crash"),
+      ("b", "d0", "segv", "retry probe"), ("probe", "d0", "segv", "q:d0 reopen:a")],
+     (["d0"], {"c": "pass", "a": "device_error"})),
+    ("3 devices, --spare 1, d0 and d1 segfault every model (issue 25.8): both out, results from the spare", 2, 1, 2, 1,
+     [("a", "d0", "segv", "retry"), ("b", "d1", "segv", "retry"), ("b", "d0", "segv", "retry q:d0+d2"),
+      ("a", "d1", "segv", "retry q:d1"), ("a", "d2", "pass", "=pass"), ("b", "d2", "pass", "=pass"),
+      ("c", "d2", "pass", "=pass")],
+     (["d0", "d1"], {"a": "pass", "b": "pass", "c": "pass"})),
+    ("the same with hangs: no timeout blamed on a model", 2, 1, 2, 1,
+     [("a", "d0", "hang", "retry"), ("b", "d1", "hang", "retry"), ("b", "d0", "hang", "retry q:d0+d2"),
+      ("a", "d1", "hang", "retry q:d1"), ("a", "d2", "pass", "=pass"), ("b", "d2", "pass", "=pass")],
+     (["d0", "d1"], {"a": "pass", "b": "pass"})),
+    ("one sick device among healthy ones: struck when its victim passes elsewhere, then quarantined", 2, 0, 2, 1,
+     [("a", "d0", "segv", "retry"), ("b", "d1", "pass", "=pass"), ("a", "d1", "pass", "=flaky"),
+      ("c", "d0", "segv", "retry q:d0"), ("c", "d1", "pass", "=pass")],
+     (["d0"], {"a": "flaky", "b": "pass", "c": "pass"})),  # (a's row is relabelled pass by the runner)
+    ("a model that segfaults on a trusted device too fails by itself: the first device's strike is revoked", 2, 0, 2, 1,
+     [("b", "d1", "pass", "=pass"), ("c", "d0", "pass", "=pass"), ("x", "d0", "segv", "retry"),
+      ("x", "d1", "segv", "=crash"), ("d", "d1", "pass", "=pass"), ("y", "d0", "segv", "retry"),
+      ("y", "d1", "segv", "=crash"), ("e", "d0", "pass", "=pass")],
+     ([], {"b": "pass", "c": "pass", "d": "pass", "e": "pass", "x": "crash", "y": "crash"})),
+    ("reference-side outcomes and CPU-phase deaths say nothing about the device", 1, 0, 1, 1,
+     [("a", "d0", "ref_fail", "=ref_fail"), ("b", "d0", "segv-in-reference", "retry"),
+      ("b", "d0", "segv-in-reference", "=crash"), ("c", "d0", "drift", "=drift")],
+     ([], {"a": "ref_fail", "b": "crash", "c": "drift"})),
+    ("a raised crash then unsupported_op on another device: not a clean run, no strike", 2, 0, 1, 1,
+     [("a", "d0", "raised", "retry"), ("a", "d1", "unsupported", "=unsupported_op")],
+     ([], {"a": "unsupported_op"})),
+    ("device faults strike at once; the model waits, pending, when no device is left", 1, 0, 2, 1,
+     [("a", "d0", "fault", "=device_error pending"), ("b", "d0", "fault", "=device_error pending q:d0")],
+     (["d0"], {"a": "device_error", "b": "device_error"})),
+]
+
+
+@pytest.mark.parametrize("case", TABLE, ids=[c[0] for c in TABLE])
+def test_attribution_table(case) -> None:
+    _name, n, spare, after, retries, steps, (quarantined, outcomes) = case
+    f = fleet(n + spare, spare=spare, quarantine_after=after, retries=retries)
+    jobs: dict[str, Job] = {}
+    probes: dict[str, Job] = {}
+    final: dict[str, str] = {}
+    for model, device, what, expected in steps:
+        job = probes.pop(device) if model == "probe" else jobs.setdefault(model, Job(model))
+        assert model == "probe" or policy.pick_job(f, device, [job]) is job, (model, device, "not runnable there")
+        measured, phase = EVIDENCE[what]
+        v = policy.settle(f, job, measured, device, 1.0, phase, others_waiting=True)
+        assert verdict_text(v) == expected, (model, device, what)
+        probes.update((p.probe, p) for p in v.probes)
+        if v.outcome:
+            final[model] = v.outcome
+        for q in v.quarantined:
+            for reopened in q.reopen:
+                again = policy.reopen(f, reopened)
+                final[reopened.id] = again.outcome if again.pending else final.pop(reopened.id)
+    assert f.quarantined == quarantined
+    assert final == outcomes
+    assert quarantined or not f.strikes  # no lasting evidence against a device that kept its place
+    assert not policy.never_worked(f) or not any(o in ("pass", "crash") for o in final.values())
+
+
+def test_a_deferred_death_is_recorded_at_once_when_nothing_else_could_vouch_for_its_device() -> None:
+    f = fleet(1, retries=0)
+    v = policy.settle(f, Job("x"), EVIDENCE["segv"][0], "d0", 1.0, EVIDENCE["segv"][1])
+    assert v.outcome == "crash"  # `check` on one model that segfaults: its crash, at once
+
+
+def test_never_worked() -> None:
+    f = fleet(1, quarantine_after=1)
+    policy.settle(f, Job("a"), m("device_error", device_fault=True), "d0", 1.0)
+    assert policy.never_worked(f)
+    g = fleet(1)
+    policy.settle(g, Job("a"), m("unsupported_op"), "d0", 1.0)
+    policy.settle(g, Job("b"), m("device_error", device_fault=True), "d0", 1.0)
+    assert not policy.never_worked(g)  # it ran a model (the missing op is the model's result)

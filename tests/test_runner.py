@@ -109,7 +109,10 @@ def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path, patho) ->
     got = {r["model_id"]: r for r in rows(db)}
     assert got["patho/hang"]["outcome"] == "timeout"
     assert got["patho/hang"]["signal"] == signal.SIGKILL
-    assert [a["outcome"] for a in got["patho/hang"]["attempts"]] == ["timeout", "timeout"]  # retried once
+    attempts = got["patho/hang"]["attempts"]
+    # retried once; no device had run a model yet, so once more after patho/none ran on one: its verdict
+    assert [a["outcome"] for a in attempts] == ["timeout"] * 3 and [a["phase"] for a in attempts] == ["target"] * 3
+    assert attempts[-1]["device"] == got["patho/none"]["device"]
     assert got["patho/none"]["outcome"] == "pass"
     assert summary.unfinished == 0 and time.monotonic() - t0 < 300
 

@@ -10,6 +10,9 @@ vendor's) subclass it and override only what differs.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +133,25 @@ class Adapter:
         finally:
             torch.set_float32_matmul_precision(prev)
 
+    def synchronize(self, device: str) -> None:
+        """Wait for `device` to finish its queued work, so that an error it reports late (as CUDA does, at
+        the next synchronizing call) surfaces now, with the model that caused it: its device module's
+        `synchronize`, else `torch.accelerator`'s. Raises what the device reports."""
+        import torch
+
+        try:
+            module = torch.get_device_module(self.kind)
+        except (RuntimeError, AttributeError, ValueError):
+            module = None
+        sync = getattr(module, "synchronize", None)
+        if callable(sync):
+            sync(torch.device(device))
+            return
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+        if current is not None and current.type == self.kind:
+            accelerator.synchronize(torch.device(device))
+
     def seed(self, seed: int) -> None:
         """Seed every device of this backend (a dead device fails here, before any model code)."""
         import torch
@@ -149,14 +171,69 @@ class Adapter:
     # -- errors ------------------------------------------------------------------------------
 
     def is_device_fault(self, exc: BaseException) -> bool:
-        """True when `exc` says the device, not the model, is at fault (counts toward quarantine).
+        """True when `exc` (one exception, not its chain) says the device, not the model, is at fault.
 
         Generic: PyTorch's and common runtimes' messages for a lost device, ECC errors, driver and
         collective-library failures. A vendor adapter adds its runtime's exception types."""
         return isinstance(exc, RuntimeError | OSError) and errors.is_device_fault_message(str(exc))
 
+    def lost_connection(self, exc: BaseException, stage: str = "target") -> bool:
+        """`exc` is a connection to the device failing: refused, reset, a broken pipe, a timeout. Raised
+        through the backend's own code (its client talking to a device server), or anywhere in the target
+        phase; a model's own download failing while it loads is not the device's."""
+        if not isinstance(exc, ConnectionError | TimeoutError):  # socket.timeout is TimeoutError
+            return False
+        return stage == "target" or self.raised_by_backend(exc)
+
+    def blames_device(self, exc: BaseException, stage: str = "target") -> BaseException | None:
+        """The exception in `exc`'s chain (what it was raised from or while handling: loaders wrap the
+        backend's error) that says the device failed, or None."""
+        for link in errors.chain(exc):
+            if self.is_device_fault(link) or self.lost_connection(link, stage):
+                return link
+        return None
+
+    def raised_by_backend(self, exc: BaseException) -> bool:
+        """Whether the backend's own Python code is on `exc`'s traceback (it raised or relayed it)."""
+        roots = _backend_dirs(self.kind)
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(roots):
+                return True
+            tb = tb.tb_next
+        return False
+
     def parse_missing_op(self, exc: BaseException) -> errors.MissingOp | None:
-        """The op (and dtype) `exc` says this backend lacks, or None for any other error."""
+        """The op (and dtype) `exc` says this backend lacks, or None for any other error. A dispatcher
+        message naming another backend counts when the backend's own code relayed it (a remote
+        executor that could not run the op it was asked to)."""
         if not isinstance(exc, NotImplementedError | RuntimeError | ValueError | TypeError):
             return None
-        return errors.parse_missing_op(str(exc), self.kind)
+        message = str(exc)
+        missing = errors.parse_missing_op(message, self.kind)
+        if missing is None and "Could not run" in message and self.raised_by_backend(exc):
+            missing = errors.parse_missing_op(message, self.kind, relayed=True)
+        return missing
+
+
+_DIRS: dict[str, tuple[str, ...]] = {}
+
+
+def _backend_dirs(kind: str) -> tuple[str, ...]:
+    """The directory of the package that provides `kind`'s device module (none for torch's own: its
+    frames are on every traceback; none while the backend is not loaded yet)."""
+    if kind in _DIRS:
+        return _DIRS[kind]
+    import torch
+
+    try:
+        module = torch.get_device_module(kind)
+    except (RuntimeError, AttributeError, ValueError):
+        return ()
+    name = module.__name__ if isinstance(module, types.ModuleType) else type(module).__module__
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not path:
+        return ()
+    root = os.path.dirname(os.path.abspath(path)) + os.sep
+    _DIRS[kind] = () if root == os.path.dirname(os.path.abspath(torch.__file__)) + os.sep else (root,)
+    return _DIRS[kind]

@@ -3,7 +3,12 @@
 PyTorch and out-of-tree backends report a coverage gap in a handful of standard ways; each is one
 `Pattern` in `MISSING_OP` with an example message (tests/test_backend_errors.py checks every one).
 A message no pattern knows stays a `crash` with the message kept. An error naming another backend
-than the target's ("... from the 'CPU' backend") is not the target's gap.
+than the target's ("... from the 'CPU' backend") is not the target's gap, unless the target's own
+code raised it (*relayed*: a remote executor passing on its server's error for an op it was asked
+to run). Op names come out as `aten::name[.overload]` whatever the message calls them (`add`,
+`aten.add.Tensor`, `baddbmm_cuda`); a dtype the message names is kept as it spells it.
+
+Device faults are read from the whole exception chain (`chain`): loaders wrap a backend's error.
 """
 
 from __future__ import annotations
@@ -23,14 +28,31 @@ class Pattern:
     name: str
     regex: re.Pattern[str]
     example: str
+    relayed: bool = False  # applies only to an error the backend's own code raised
+
+
+_DISPATCHER = re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>\w+)' backend")
+_BARE_OP = r"'?(?P<op>(?:aten(?:::|\.))?[a-z_][a-z0-9_]*(?:\.\w+)?)'?"  # add, aten::add, aten.add.Tensor
 
 
 MISSING_OP: tuple[Pattern, ...] = (
     Pattern(
         "dispatcher",
-        re.compile(r"Could not run '(?P<op>[\w:.]+)' with arguments from the '(?P<backend>\w+)' backend"),
+        _DISPATCHER,
         "NotImplementedError: Could not run 'aten::relu' with arguments from the 'toy' backend. This could be "
         "because the operator doesn't exist for this backend, or was omitted during the selective/custom build",
+    ),
+    Pattern(
+        "relayed-dispatcher",
+        _DISPATCHER,
+        "RuntimeError: Could not run 'aten::histc' with arguments from the 'CPU' backend. This could be because "
+        "the operator doesn't exist for this backend",
+        relayed=True,
+    ),
+    Pattern(
+        "cannot-run",
+        re.compile(r"\bcannot run '?(?P<op>aten(?:::|\.)\w+(?:\.\w+)?)'?"),
+        "NotImplementedError: toy cannot run aten.as_strided_.default yet: planned for a later release",
     ),
     Pattern(
         "overrideable",
@@ -68,6 +90,18 @@ MISSING_OP: tuple[Pattern, ...] = (
         "RuntimeError: \"baddbmm_cuda\" not implemented for 'Int'",
     ),
     Pattern(
+        "bare-op-dtype",
+        re.compile(r"\b(?:op|operator|kernel)\s+" + _BARE_OP + r"\s+(?:is\s+)?(?:not (?:supported|implemented)"
+                   r"|unsupported|does not support)\s+(?:for\s+)?(?:dtype|scalar type|type)\s+'?(?P<dtype>\w+)'?"),
+        "RuntimeError: toy: kernel mul does not support dtype 'Int'",
+    ),
+    Pattern(
+        "bare-op",
+        re.compile(r"\b(?:op|operator|kernel)\s+" + _BARE_OP + r"\s+(?:is\s+)?(?:not (?:currently\s+)?(?:supported|implemented)"
+                   r"|unsupported)\b"),
+        "NotImplementedError: toy runtime: op add is not implemented",
+    ),
+    Pattern(
         "flex-attention",
         re.compile(r"(?P<op>FlexAttention)[^\n]*(?:is only supported on|not supported)", re.IGNORECASE),
         "ValueError: FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices.",
@@ -85,11 +119,31 @@ DEVICE_FAULT = re.compile(
 )
 
 
+_KERNEL_SUFFIX = re.compile(r"_(?:impl_)?(?:cuda|cpu|mps|xpu)_?$")  # AT_DISPATCH names: baddbmm_cuda
+
+
 def _aten(op: str) -> str:
-    """'aten.sort.default' / 'aten::sort.default' -> 'aten::sort' style names used everywhere else."""
+    """'aten.sort.default' / 'aten::sort.default' / 'sort' / 'sort_cpu' -> 'aten::sort', the style used
+    everywhere else (an op ranking must not say "implement add" for aten::add)."""
     if op.startswith("aten."):
         op = "aten::" + op[len("aten.") :]
-    return op.removesuffix(".default")
+    op = op.removesuffix(".default")
+    if "::" not in op:
+        op = "aten::" + _KERNEL_SUFFIX.sub("", op)
+    return op
+
+
+def chain(exc: BaseException, limit: int = 16) -> list[BaseException]:
+    """`exc`, then what it was raised from or while handling (`__cause__`, `__context__`), and so on."""
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo and len(out) < limit:
+        e = todo.pop(0)
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+    return out
 
 
 def _backend_matches(named: str, kind: str) -> bool:
@@ -100,20 +154,24 @@ def _backend_matches(named: str, kind: str) -> bool:
     return name == kind.lower()
 
 
-def parse_missing_op(message: str, kind: str) -> MissingOp | None:
-    """The op (and dtype) a target-side error says the `kind` backend lacks; None if it says nothing so."""
+def parse_missing_op(message: str, kind: str, relayed: bool = False) -> MissingOp | None:
+    """The op (and dtype) a target-side error says the `kind` backend lacks; None if it says nothing so.
+    `relayed`: the backend's own code raised it (a dispatcher error naming another backend is then the
+    target's gap too: its executor could not run the op it was asked to)."""
     for p in MISSING_OP:
+        if p.relayed and not relayed:
+            continue
         m = p.regex.search(message)
         if m is None:
             continue
         if p.name == "dispatcher" and not _backend_matches(m["backend"], kind):
+            if relayed:
+                continue  # "relayed-dispatcher" claims it
             return None  # e.g. an op the CPU lacks: not the target's gap
-        op = m["op"]
-        if p.name == "overrideable":
-            op = f"aten::{op}"
-        elif p.name == "flex-attention":
-            op = "flex_attention"
-        return MissingOp(_aten(op), (m.groupdict().get("dtype") or ""))
+        dtype = m.groupdict().get("dtype") or ""
+        if p.name == "flex-attention":
+            return MissingOp("flex_attention", dtype)  # a feature, not an ATen op
+        return MissingOp(_aten(m["op"]), dtype)
     return None
 
 

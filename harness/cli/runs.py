@@ -140,11 +140,13 @@ def cmd_run(args: argparse.Namespace) -> int:
               if summary.resumed_run else "portharness: no unfinished run matches (list, target, settings, shard); "
               "started a new one", file=sys.stderr)
     human = sys.stderr if args.json else sys.stdout  # with --json, stdout is the JSON alone
-    done = summary.rows_written
-    print(f"\nrun {summary.run_id}: {done} models in {summary.wall_s:.1f}s"
-          + (f" ({summary.resumed_skipped} already done, resumed)" if summary.resumed_skipped else ""), file=human)
-    print(headline_line(summary.counts), file=human)
-    print(outcome_table(summary.counts, done), file=human)
+    counts = summary.run_counts or summary.counts  # the whole run's, a resume's earlier rows included
+    done = sum(counts.values())
+    print(f"\nrun {summary.run_id}: {done} models"
+          + (f" ({summary.rows_written} now in {summary.wall_s:.1f}s, {summary.resumed_skipped} already done, resumed)"
+             if summary.resumed_skipped else f" in {summary.wall_s:.1f}s"), file=human)
+    print(headline_line(counts), file=human)
+    print(outcome_table(counts, done), file=human)
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())),
               file=human)
@@ -156,6 +158,8 @@ def cmd_run(args: argparse.Namespace) -> int:
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""), file=human)
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
+    if summary.never_worked:
+        print(f"portharness: {summary.never_worked}", file=sys.stderr)
     if args.report:
         from harness.files import OutputError
         from harness.report import build_report
@@ -168,7 +172,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 1
     if args.json:
         print(json.dumps(asdict(summary), indent=2))
-    return 0 if not summary.unfinished else 1
+    return 0 if not summary.unfinished and not summary.never_worked else 1
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:

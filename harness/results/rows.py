@@ -33,6 +33,7 @@ class Attempt:
     signal: int | None = None
     duration_s: float | None = None
     device_fault: bool = False
+    phase: str = ""  # where a worker death or timeout struck (PHASES; "" for a result the worker sent)
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable, Iterator
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_capped = False  # whether this process capped its own address space
+# What a library load (dlopen) says when the address space has no room for it.
+_MAP_FAILED = ("failed to map segment from shared object", "cannot allocate memory", "cannot map zero-fill pages")
 
 
 def _statm(pid: int | str = "self") -> tuple[int, int]:
@@ -32,10 +35,46 @@ def cap_address_space(extra_mb: int | None) -> None:
 
     A runaway allocation then fails inside the process with MemoryError ("can't allocate memory")
     instead of dragging the host into the OOM killer."""
+    global _capped
     if not extra_mb:
         return
     limit = _statm()[0] + extra_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    _capped = True
+
+
+def capped() -> bool:
+    """Whether `cap_address_space` capped this process."""
+    return _capped
+
+
+def import_failure(exc: BaseException) -> bool:
+    """Whether `exc` (or what it was raised from) is the worker's own machinery finding no room: a shared
+    library that could not be mapped, memory exhausted while a module was being imported, a thread that
+    could not start (under a cap, that is the cap's fault, not the model's)."""
+    from harness.backends.errors import chain
+
+    for e in chain(exc):
+        if isinstance(e, ImportError) and any(m in str(e) for m in _MAP_FAILED):
+            return True
+        if isinstance(e, OSError) and _MAP_FAILED[0] in str(e):
+            return True
+        if isinstance(e, MemoryError) and _in_module_body(e):
+            return True
+        if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+            return True  # a thread's stack is address space too
+    return False
+
+
+def _in_module_body(exc: BaseException) -> bool:
+    """Raised while a module's top level ran, i.e. while it was being imported (importlib drops its own
+    frames from the traceback, so look for the module body's)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "<module>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class PeakRss:

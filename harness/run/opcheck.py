@@ -78,6 +78,8 @@ def judge_output(target: torch.Tensor, expected: torch.Tensor, oracle: torch.Ten
     """(ok, ratio, note) for one float output of one op; all CPU tensors."""
     if target.shape != expected.shape:
         return False, None, f"shape {list(target.shape)} vs expected {list(expected.shape)}"
+    if target.dtype != expected.dtype:  # a kernel that returns another dtype is wrong, however close its values
+        return False, None, f"dtype {str(target.dtype).removeprefix('torch.')} vs expected {str(expected.dtype).removeprefix('torch.')}"
     if target.dtype == expected.dtype and torch.equal(target, expected):
         return True, 0.0, ""  # bit-identical to the contract's own result: nothing to measure
     t, e = target.double(), expected.double()
@@ -214,11 +216,11 @@ class OpJudge(TorchDispatchMode):
             self._storages = {}
             for p, name in self._param_objs:
                 with contextlib.suppress(Exception):  # a backend without storages: identity only
-                    self._storages.setdefault((p.device, p.untyped_storage().data_ptr()), name)
+                    self._storages.setdefault((p.device, _storage_id(p)), name)
         for x in leaves:
             if isinstance(x, torch.Tensor) and x.device.type == self.device_type:
                 with contextlib.suppress(Exception):
-                    name = self._storages.get((x.device, x.untyped_storage().data_ptr()))
+                    name = self._storages.get((x.device, _storage_id(x)))
                     if name:
                         return name
         return ""
@@ -299,6 +301,12 @@ class OpJudge(TorchDispatchMode):
                     output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
                 )
                 return
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage `t` is a view of: the StorageImpl itself, not its data pointer (a backend whose
+    storages keep their bytes elsewhere reports 0 for every one of them)."""
+    return t.untyped_storage()._cdata
 
 
 def _has_float(out: Any) -> bool:

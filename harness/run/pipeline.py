@@ -4,6 +4,10 @@
 stage that failed (load_fail, ref_fail, ref_nondeterministic, then the target's unsupported_op, crash,
 oom, drift) or pass. Timeouts and worker deaths are decided by the supervisor, which sees the process
 die. Which device faults count against the device is the backend adapter's call.
+
+Every phase that ran on the device ends by synchronizing it, on success and on error: a backend that
+reports a failed kernel at the next synchronizing call (as CUDA does) then reports it here, with the
+model that caused it, not with the next one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from harness.backends import Adapter, adapter_for
 from harness.backends.base import OpCensus
 from harness.backends.contracts import Emulate, contract
+from harness.backends.errors import chain
 from harness.models.inputs import make_inputs
 from harness.models.labels import make_labels
 from harness.models.load import load_model
@@ -29,7 +34,7 @@ from harness.models.outputs import output_tensors
 from harness.results.rows import Measurement
 from harness.run.compare import Tolerance, compare_outputs, identical
 from harness.run.localize import capture, first_drift
-from harness.run.memory import PhaseClock
+from harness.run.memory import PhaseClock, capped, import_failure
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, DEFAULT_MAX_PARAMS, fp64_outputs, n_params
 from harness.run.repro import describe, repro_preamble, write_repro
@@ -45,6 +50,7 @@ from harness.run.train import (
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
+CAP_TOO_SMALL = "MemCapTooSmall"  # error_type of a failure to import under the worker's memory cap
 OP_SAMPLE = 2  # calls judged per op signature when the op check samples
 
 
@@ -72,15 +78,28 @@ def _trim_traceback(exc: BaseException) -> str:
 def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage: str = "target") -> dict[str, Any]:
     """Measurement fields for an exception raised in `stage` (load, reference or target).
 
-    A device fault wins over the stage (seeding every device is part of loading a model): the device
-    is to blame, not the model. Elsewhere a missing op, then memory, then a crash."""
+    A device fault anywhere in the exception's chain wins over the stage (seeding every device is part
+    of loading a model; loaders wrap the backend's error): the device is to blame, not the model. An
+    import that fails under the worker's memory cap is the cap's (`CAP_TOO_SMALL`: the run stops). Then
+    exhausted memory in any phase is `oom`, naming the phase; then the stage; then a missing op, then a
+    crash."""
     base = {
         "error_type": type(exc).__name__,
         "error_message": str(exc)[:2000],
         "traceback": _trim_traceback(exc),
     }
-    if adapter is not None and adapter.is_device_fault(exc):
+    fault = adapter.blames_device(exc, stage) if adapter is not None else None
+    if fault is not None:
+        if fault is not exc:
+            base["error_type"] = type(fault).__name__
+            base["error_message"] = (f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: "
+                                     f"{str(exc)[:300]})")[:2000]
         return {"outcome": "device_error", "device_fault": True, **base}
+    if capped() and import_failure(exc):
+        return {"outcome": "load_fail", **base, "error_type": CAP_TOO_SMALL}
+    links = chain(exc)
+    if any(isinstance(e, MemoryError) or _OOM.search(str(e)) for e in links):
+        return {"outcome": "oom", **base, "error_message": f"out of memory in the {stage} phase: {str(exc)[:2000]}"}
     if stage == "load":
         return {"outcome": "load_fail", **base}
     if stage == "reference":
@@ -88,9 +107,27 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
     missing = adapter.parse_missing_op(exc) if adapter is not None else None
     if missing is not None:
         return {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
-    if isinstance(exc, MemoryError) or _OOM.search(str(exc)):
-        return {"outcome": "oom", **base}
     return {"outcome": "crash", **base}
+
+
+def _drain(adapter: Adapter, device: str) -> BaseException | None:
+    """Synchronize `device` on an error path: what it reports late (or None)."""
+    try:
+        adapter.synchronize(device)
+    except Exception as e:
+        return e
+    return None
+
+
+def _target_failure(exc: BaseException, late: BaseException | None, adapter: Adapter) -> dict[str, Any]:
+    """The fields for a target run that raised `exc`, the device having reported `late` at the
+    synchronize after it: a device fault in either wins; else the late error, which was queued first."""
+    if late is None or adapter.blames_device(exc) is not None:
+        return classify_exception(exc, adapter)
+    fields = classify_exception(late, adapter)
+    fields["error_message"] = (f"{fields['error_message']} (reported late, at synchronize; the run had raised "
+                               f"{type(exc).__name__}: {str(exc)[:300]})")[:2000]
+    return fields
 
 
 def _to(inputs: dict[str, Any], device: str | torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -213,17 +250,23 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
                 if judge is not None:
                     # Every kernel judged on its own inputs. After the plain run: a dispatch mode changes
                     # some paths (torch.compile'd code runs eagerly under one), and the verdict on errors
-                    # belongs to the model's own path.
+                    # belongs to the model's own path, but not a sick device's.
                     try:
                         with judge:
                             step(tmodel, target_inputs)
-                    except Exception:
+                        adapter.synchronize(device)
+                    except Exception as e:
+                        late = _drain(adapter, device)
+                        for x in (e, late):
+                            if x is not None and adapter.blames_device(x) is not None:
+                                raise x from None
                         judge = None
                 t0 = time.perf_counter()
                 tout = step(tmodel, target_inputs)
+                adapter.synchronize(device)  # what the device reports late is this model's
                 out["_target_s"] = time.perf_counter() - t0
         except Exception as e:
-            return {**out, **classify_exception(e, adapter), **_census_fields(census)}
+            return {**out, **_target_failure(e, _drain(adapter, device), adapter), **_census_fields(census)}
 
     with clock.phase("compare"):
         if train:  # the optimizers judged on the target's own gradients (see harness.run.train)
@@ -261,10 +304,12 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
     messages = []
     if kernel is not None:
         out.update(describe(kernel))
+        where = f"kernel {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])})"
         messages.append(
-            f"kernel {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])}) is "
-            f"beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
+            f"{where} is beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
             + (f"; {kernel.note}" if kernel.note else "")
+            if kernel.ratio is not None else  # a wrong shape or dtype: nothing to measure, still the finding
+            f"{where} returns output {kernel.output} unlike the CPU's: {kernel.note or 'not comparable'}"
         )
         if task.repro_dir:
             out["repro_path"] = str(_repro(kernel, declared, adapter, task, entry.id))
@@ -293,8 +338,11 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
             try:
                 site = _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, task.settings,
                                  None if declared.exact else declared)
+                adapter.synchronize(device)
             except Exception as e:  # localization is diagnostics: never lose the verdict over it
-                out["error_message"] += f"; localization failed: {type(e).__name__}: {e}"
+                late = _drain(adapter, device)
+                out["error_message"] += (f"; localization failed: {type(e).__name__}: {e}"
+                                         + (f" (the device then reported {type(late).__name__}: {late})" if late else ""))
             else:
                 if site is not None:
                     out["first_drift_module"] = site.module

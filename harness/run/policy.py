@@ -1,19 +1,69 @@
-"""Scheduling, retry and quarantine policy: pure decisions over plain data, no processes.
+"""Scheduling, retry, quarantine and attribution policy: pure decisions over plain data, no processes.
 
-At cluster scale one sick device must not sink a run, and one flaky model must not condemn a device.
-The rules, each a function here so it is unit-testable with made-up devices and jobs:
+At cluster scale one sick device must not sink a run, one flaky model must not condemn a device, and
+a healthy device that is the only one must not stop itself. Only evidence that the device itself is at
+fault may strike it; a model's recorded result comes only from a device that has not failed others.
 
-- a suspicious failure (a retryable outcome, or drift with non-finite outputs) is retried on another
-  device within the retry budget; while it awaits that re-run its first device is *cordoned*: it
-  takes only retries, not fresh models (`pick_job`);
-- a device collects a *strike* for every device fault the backend reports and for every model that
-  failed on it but ran cleanly elsewhere; at `quarantine_after` strikes it is *quarantined*: it leaves
-  the active set and a hot spare, if one is held back, takes its place (`settle`, `strike`);
-- a device fault is never the model's result: the model goes to another healthy device (outside the
-  retry budget); with none left its `device_error` row waits for a resume (`Settled.pending`);
-- a model that failed and then passed elsewhere is `flaky`, unless every device it failed on has been
-  quarantined: then its clean result stands, also when the quarantine comes later (`Quarantined.relabel`);
-- with `--rerun-flaky N`, a model whose attempts disagreed is sampled N more times after the run and is
+Words. An attempt *survives* when its worker lived to report a target-side outcome with no device
+fault (pass, drift, unsupported_op, a raised crash, oom, ...): the device can run models, and that
+model becomes its *canary*. It *runs cleanly* when the target ran it to the end (pass, pass_declared,
+drift, missing_grad): the model is fine. A *death* is a worker that died or timed out in a phase that
+runs on the device (target, localize), the reference having passed. A device's *streak* is the
+distinct models that died on it since it last survived one. A device is *trusted* when it is active,
+has survived a model, has no strike and no other model in its streak.
+
+The attribution rule (`settle`), one row per kind of evidence from one attempt of model M on device D:
+
+  evidence                              | strike D?                    | M next                         | recorded for M
+  --------------------------------------+------------------------------+--------------------------------+-------------------------
+  device fault: the backend says so     | yes, at once                 | another active device it has   | nothing; no device left:
+  (lost device, ECC; its client's       |                              | not faulted on (outside        | device_error, pending
+  connection refused / reset / timed    |                              | --retries)                     | (runs again on --resume)
+  out), in any phase                    |                              |                                |
+  reference side (load_fail, ref_fail,  | no: the target never ran     | -                              | that outcome
+  ref_nondeterministic, a CPU-phase     |                              |                                |
+  death)                                |                              |                                |
+  death (segfault, hang) on D           | provisionally: M joins D's   | retried (--retries) on a       | the death, from a trusted
+                                        | streak                       | device it has not died on, D   | D; from an untrusted D
+                                        |                              | again if D is the only one     | only after one more try
+                                        |                              |                                | after the rest of the
+                                        |                              |                                | queue (if any: it may
+                                        |                              |                                | vouch for a device)
+    ... then D survives another model   | streak revoked               |                                |
+    ... then M dies on a trusted D' too | M's part revoked: M fails    |                                | that death
+                                        | by itself                    |                                |
+    ... then M runs cleanly on D' != D  | yes, for good                |                                | flaky; its clean result
+                                        |                              |                                | once D is quarantined
+  raised crash, non-finite drift on D   | no                           | retried on another device      | the last outcome
+    ... then M runs cleanly on D' != D  | yes                          |                                | flaky (as above)
+  after failing on D: a clean run on D  | no: the same device is not   | -                              | that outcome (flaky if it
+  itself, or unsupported_op / oom /     | "elsewhere"; unsupported_op  |                                | passed)
+  drift anywhere                        | is not a clean run           |                                |
+  strikes + streak reach                | quarantine; but if the streak| a *probe*: D's canary runs on  |
+  --quarantine-after                    | counts and D has a canary,   | D first (D takes nothing else):|
+                                        | probe first                  | survives -> streak revoked;    |
+                                        |                              | dies -> quarantine             |
+
+On quarantine (`quarantine`) a hot spare, if one is held back, takes D's place; models recorded flaky
+only because of D get their clean result (`Quarantined.relabel`); models whose recorded result was a
+death on D are re-opened (`Quarantined.reopen`, then `reopen`): they run again elsewhere, or wait as
+pending `device_error` rows; and no attempt on D counts toward any model's retries any more.
+
+Worked cases (tests/test_policy.py has them as a table):
+
+- one device, a model that segfaults deterministically: it dies, dies again on the retry (the same
+  device), D has survived other models, so D is trusted and the crash is recorded; the next model that
+  survives revokes the streak. Two such models in a row: the streak reaches 2, D's canary re-runs,
+  survives, the streak is revoked: the run finishes, its only device in service. A device that kills
+  every model: deaths of different models pile up, nothing survives (or the canary dies too): it is
+  quarantined, and its victims are pending `device_error` rows, not crashes;
+- three devices, `--spare 1`, sim:0 and sim:1 killing (or hanging) every model: different models die
+  on each, nothing survives there, no canary: both are quarantined, the spare comes in, the victims'
+  attempts there stop counting and they run on sim:2, whose results are recorded;
+- scheduling: a suspicious failure's first device is *cordoned* until the re-run (it takes only
+  retries, `pick_job`); a job goes back to a device it failed on only when every active device is one;
+  a new or idle worker goes where the waiting work can run (`pick_device`, `idle_move`);
+- `--rerun-flaky N`: a model whose attempts disagreed is sampled N more times after the run and is
   `flaky` only if the samples really flip between a matched and a failing outcome (`needs_rerun`,
   `rerun_verdict`).
 """
@@ -24,10 +74,11 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from harness.outcomes import DEVICE_SIDE, MATCHED, RETRYABLE, severity
+from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABLE, severity
 from harness.results.rows import Attempt, Measurement
 
 POOL_START_GRACE_S = 60.0
+DEVICE_PHASES = frozenset({"target", "localize"})  # phases that run on the device, after the reference
 
 
 @dataclass(eq=False)
@@ -39,6 +90,8 @@ class Job:
     avoid: set[str] = field(default_factory=set)  # devices it should not go back to
     faulted: set[str] = field(default_factory=set)  # devices that had a device fault running it: never again
     last: Measurement | None = None  # its clean result after earlier failures (for relabelling)
+    deferred: bool = False  # died on an untrusted device with its retries spent: tried once more, last
+    probe: str = ""  # a canary run deciding this device's streak (not a row of its own)
 
 
 @dataclass
@@ -51,10 +104,18 @@ class Fleet:
     retries: int = 1
     quarantined: list[str] = field(default_factory=list)
     spares_used: list[str] = field(default_factory=list)
-    strikes: Counter[str] = field(default_factory=Counter)
+    strikes: Counter[str] = field(default_factory=Counter)  # lasting evidence (faults, clean elsewhere)
+    deaths: dict[str, list[Job]] = field(default_factory=dict)  # device -> its streak (provisional strikes)
+    canary: dict[str, str] = field(default_factory=dict)  # device -> the model it last survived
+    probing: set[str] = field(default_factory=set)  # devices whose canary is re-running
+    died_here: dict[str, list[Job]] = field(default_factory=dict)  # device -> jobs recorded with a death there
     probation: dict[str, set[str]] = field(default_factory=dict)  # device -> jobs whose failure there awaits a re-run
     flaky_on: dict[str, list[Job]] = field(default_factory=dict)  # device -> jobs marked flaky because of it
     faults_seen: int = 0
+
+    def count(self, device: str) -> int:
+        """Strikes against `device`: lasting ones plus its streak."""
+        return self.strikes[device] + len(self.deaths.get(device, []))
 
 
 @dataclass
@@ -62,6 +123,8 @@ class Quarantined:
     device: str
     spare: str | None  # the hot spare brought in, if any
     relabel: list[Job]  # jobs recorded as flaky only because of this device: their last result stands
+    reopen: list[Job] = field(default_factory=list)  # jobs recorded with a death on it: not their result
+    why: str = ""  # the evidence, in words
 
 
 @dataclass
@@ -69,9 +132,11 @@ class Settled:
     """What to do with a job after one attempt: retry it, or record `outcome`."""
 
     retry: bool = False
+    defer: bool = False  # retry it after the rest of the queue
     outcome: str = ""
     pending: bool = False  # recorded, but not the model's result: run it again on resume
     quarantined: list[Quarantined] = field(default_factory=list)
+    probes: list[Job] = field(default_factory=list)  # canary runs to queue first
 
 
 def split_devices(devices: Sequence[str], spare: int) -> tuple[list[str], list[str]]:
@@ -88,40 +153,97 @@ def suspicious(m: Measurement) -> bool:
     return m.outcome in RETRYABLE or (m.outcome == "drift" and m.nonfinite)
 
 
+def evidence(m: Measurement, phase: str = "") -> str:
+    """What one attempt says about its device: fault, death, survived, or none (reference side, or a
+    death outside the device's phases). `phase` is where a worker death or timeout struck ("" for a
+    result the worker sent)."""
+    if m.device_fault:
+        return "fault"
+    if phase:
+        return "death" if phase in DEVICE_PHASES and m.outcome in ("crash", "timeout") else "none"
+    return "none" if m.outcome in REFERENCE_SIDE or m.outcome == "timeout" else "survived"
+
+
+def trusted(fleet: Fleet, device: str, job: Job | None = None) -> bool:
+    """Has `device` shown it runs models, and failed no model other than `job`?"""
+    return (device in fleet.active and device in fleet.canary and not fleet.strikes[device]
+            and all(j is job for j in fleet.deaths.get(device, [])))
+
+
+def never_worked(fleet: Fleet) -> bool:
+    """The target failed (device faults, quarantines) and no model ever survived on it."""
+    return not fleet.canary and bool(fleet.faults_seen or fleet.quarantined)
+
+
 def ready_to_assign(all_ready: bool, waited_s: float, grace_s: float = POOL_START_GRACE_S) -> bool:
     """Hand out work once the initial pool is up (or after a grace period), so the first worker to
     finish importing does not drain a short list before the others can take part."""
     return all_ready or waited_s > grace_s
 
 
-def pick_device(fleet: Fleet, load: Counter[str]) -> str | None:
-    """The active device with the fewest workers (ties: the earliest)."""
+def _usable(fleet: Fleet, job: Job, device: str, load: Counter[str] | None = None) -> bool:
+    return device not in job.avoid and device not in job.faulted and device not in fleet.probing and (
+        load is None or not load[device])
+
+
+def pick_device(fleet: Fleet, load: Counter[str], queue: Iterable[Job] = ()) -> str | None:
+    """The device for a new worker: a waiting probe's, else the fewest workers, preferring one the
+    first waiting job can use (ties: the earliest)."""
     if not fleet.active:
         return None
-    return min(fleet.active, key=lambda d: (load[d], fleet.active.index(d)))
+    queue = list(queue)
+    for job in queue:
+        if job.probe in fleet.active and not load[job.probe]:
+            return job.probe
+    head = next((j for j in queue if not j.probe), None)
+    return min(fleet.active, key=lambda d: (load[d], head is not None and not _usable(fleet, head, d),
+                                            fleet.active.index(d)))
 
 
-def pick_job(fleet: Fleet, device: str, queue: Iterable[Job], worker_devices: Iterable[str]) -> Job | None:
+def idle_move(fleet: Fleet, queue: Iterable[Job], load: Counter[str]) -> str | None:
+    """Where an idle worker that no waiting job may use should go instead: a device without a worker
+    that a waiting probe or job can use (None: stay)."""
+    for job in queue:
+        if job.probe:
+            if job.probe in fleet.active and not load[job.probe]:
+                return job.probe
+            continue
+        free = [d for d in fleet.active if _usable(fleet, job, d, load)]
+        if free:
+            return free[0]
+    return None
+
+
+def pick_job(fleet: Fleet, device: str, queue: Iterable[Job]) -> Job | None:
     """The job an idle worker on `device` should take next, or None to leave it idle."""
     if device not in fleet.active:
         return None
+    if device in fleet.probing:
+        return next((j for j in queue if j.probe == device), None)  # it takes nothing else meanwhile
     cordoned = bool(fleet.probation.get(device))
-    everywhere = {d for d in worker_devices if d in fleet.active}
     for job in queue:
-        if device in job.faulted:
-            continue  # it met a device fault here
+        if job.probe or device in job.faulted:
+            continue  # another device's probe; or it met a device fault here
         if cordoned and not job.attempts:
             continue  # a cordoned device takes retries only
-        if device in job.avoid and not everywhere <= job.avoid:
-            continue  # it failed here and another device can take it
+        if device in job.avoid and not {d for d in fleet.active if d not in job.faulted} <= job.avoid:
+            continue  # it failed here and another active device can take it
         return job
     return None
 
 
-def quarantine(fleet: Fleet, device: str) -> Quarantined:
+def quarantine(fleet: Fleet, device: str, canary_died: bool = False) -> Quarantined:
     """Take `device` out of service; bring in a hot spare if one is held back."""
+    streak = [j.id for j in fleet.deaths.get(device, [])]
+    why = ", ".join(
+        ([f"{fleet.strikes[device]} strike(s) (device faults, models that ran cleanly elsewhere)"]
+         if fleet.strikes[device] else [])
+        + ([f"{len(streak)} different model(s) whose worker died there with none surviving in between "
+            f"({', '.join(streak[:3])}{' ...' if len(streak) > 3 else ''})"] if streak else [])
+        + ([f"then its canary {fleet.canary[device]}, which it ran before, died too"] if canary_died else []))
     fleet.quarantined.append(device)
     fleet.probation.pop(device, None)
+    fleet.probing.discard(device)
     if device in fleet.active:
         fleet.active.remove(device)
     spare = None
@@ -129,17 +251,29 @@ def quarantine(fleet: Fleet, device: str) -> Quarantined:
         spare = fleet.spares.pop(0)
         fleet.active.append(spare)
         fleet.spares_used.append(spare)
-    return Quarantined(device, spare, fleet.flaky_on.pop(device, []))
+    return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why)
+
+
+def _judge(fleet: Fleet, device: str, out: Settled) -> None:
+    """Quarantine `device` if its strikes reached the limit (after a probe, when its streak counts and
+    it has a canary to re-run)."""
+    if device not in fleet.active or device in fleet.probing or fleet.count(device) < fleet.quarantine_after:
+        return
+    if fleet.deaths.get(device) and device in fleet.canary:
+        fleet.probing.add(device)
+        out.probes.append(Job(fleet.canary[device], probe=device))
+        return
+    out.quarantined.append(quarantine(fleet, device))
 
 
 def strike(fleet: Fleet, device: str) -> Quarantined | None:
-    """One strike against `device`; its quarantine when that was one too many."""
+    """One lasting strike against `device`; its quarantine when that was one too many."""
     if device in fleet.quarantined or device not in fleet.active:
         return None
     fleet.strikes[device] += 1
-    if fleet.strikes[device] >= fleet.quarantine_after:
-        return quarantine(fleet, device)
-    return None
+    out = Settled()
+    _judge(fleet, device, out)
+    return out.quarantined[0] if out.quarantined else None
 
 
 def interrupt(job: Job, device: str) -> None:
@@ -148,61 +282,109 @@ def interrupt(job: Job, device: str) -> None:
     job.avoid.add(device)
 
 
-def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: float) -> Settled:
-    """Record attempt `m` of `job` on `device` and decide: retry elsewhere, or the final outcome."""
-    job.attempts.append(
-        Attempt(
-            device=device,
-            outcome=m.outcome,
-            error_type=m.error_type,
-            exit_code=m.exit_code,
-            signal=m.signal,
-            duration_s=round(duration_s, 3),
-            device_fault=m.device_fault,
-        )
-    )
+def own(job: Job, quarantined: Iterable[str] = ()) -> list[Attempt]:
+    """The attempts that measured the model itself: not interrupted, no device fault, not on a device
+    since quarantined (those were the devices')."""
+    gone = set(quarantined)
+    return [a for a in job.attempts if a.outcome != "interrupted" and not a.device_fault and a.device not in gone]
+
+
+def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: float, phase: str = "",
+           others_waiting: bool = False) -> Settled:
+    """Record attempt `m` of `job` on `device` and decide (the table in this module's docstring):
+    retry it, or its final outcome. `phase`: where a worker death or timeout struck; `others_waiting`:
+    whether other models are queued or running (they may show meanwhile that a device works)."""
+    kind = evidence(m, phase)
+    job.attempts.append(Attempt(device=device, outcome=m.outcome, error_type=m.error_type, exit_code=m.exit_code,
+                                signal=m.signal, duration_s=round(duration_s, 3), device_fault=m.device_fault,
+                                phase=phase))
     out = Settled()
-
-    def hit(dev: str) -> None:
-        q = strike(fleet, dev)
-        if q is not None:
-            out.quarantined.append(q)
-
-    if m.device_fault:
+    if job.probe:
+        _probe_done(fleet, job.probe, kind, out)
+        return out
+    if kind == "fault":
         fleet.faults_seen += 1
-        hit(device)
+        fleet.strikes[device] += 1
+        _judge(fleet, device, out)
         job.faulted.add(device)
         job.avoid.add(device)
-        if any(d not in job.faulted for d in fleet.active):
-            out.retry = True
-        else:
-            out.outcome, out.pending = m.outcome, True
-            release(fleet, job)
-        return out
-    # Device faults were the device's, not failures of the model: they make nothing flaky.
-    failed_before = [a for a in job.attempts[:-1] if a.outcome != "interrupted" and not a.device_fault]
-    if failed_before and not suspicious(m):
-        # It ran cleanly here after failing elsewhere: those failures were the devices' (or flakes).
-        for a in failed_before:
-            hit(a.device)
+        return _elsewhere(fleet, job, out)
+    if kind == "survived":
+        fleet.deaths.pop(device, None)  # it runs models: its streak was the models'
+        fleet.canary[device] = job.id
+    elif kind == "death":
+        if trusted(fleet, device, job):  # a device that runs others kills it too: it fails by itself
+            for d, streak in fleet.deaths.items():
+                if d != device and job in streak:
+                    streak.remove(job)
+        streak = fleet.deaths.setdefault(device, [])
+        if job not in streak:
+            streak.append(job)
+        _judge(fleet, device, out)
+    failed = [a for a in own(job, fleet.quarantined)[:-1] if a.outcome not in REFERENCE_SIDE]
+    if failed and m.outcome in RAN:
+        # It ran cleanly after failing: where that was another device, the failure was the device's.
+        for d in dict.fromkeys(a.device for a in failed if a.device != device):
+            if job in fleet.deaths.get(d, []):
+                fleet.deaths[d].remove(job)
+            if d in fleet.active:
+                fleet.strikes[d] += 1
+                _judge(fleet, d, out)
         job.last = m
-        if m.outcome != "pass" or all(a.device in fleet.quarantined for a in failed_before):
+        if m.outcome != "pass" or all(a.device in fleet.quarantined for a in failed):
             out.outcome = m.outcome
         else:
             out.outcome = "flaky"
-            for a in failed_before:
-                fleet.flaky_on.setdefault(a.device, []).append(job)
+            for d in dict.fromkeys(a.device for a in failed):
+                fleet.flaky_on.setdefault(d, []).append(job)
         release(fleet, job)
         return out
-    retries_used = sum(1 for a in job.attempts if a.outcome != "interrupted" and not a.device_fault) - 1
-    if suspicious(m) and retries_used < fleet.retries and fleet.active:
+    if device in fleet.quarantined:  # this very failure quarantined it: not the model's result
+        return _elsewhere(fleet, job, out)
+    if suspicious(m) and len(own(job, fleet.quarantined)) - 1 < fleet.retries and fleet.active:
         job.avoid.add(device)
         fleet.probation.setdefault(device, set()).add(job.id)
         out.retry = True
         return out
+    if kind == "death" and not trusted(fleet, device, job) and not job.deferred and others_waiting:
+        job.deferred = True  # no device has vouched for this verdict yet: once more, after the others
+        job.avoid.add(device)
+        release(fleet, job)  # its device is not cordoned meanwhile: the others are what may vouch for it
+        out.retry = out.defer = True
+        return out
     out.outcome = m.outcome
+    if kind == "death":
+        fleet.died_here.setdefault(device, []).append(job)
     release(fleet, job)
     return out
+
+
+def _elsewhere(fleet: Fleet, job: Job, out: Settled) -> Settled:
+    """Not the model's result: run it on another device, or record it pending with none left."""
+    if any(d not in job.faulted for d in fleet.active):
+        out.retry = True
+    else:
+        out.outcome, out.pending = "device_error", True
+        release(fleet, job)
+    return out
+
+
+def _probe_done(fleet: Fleet, device: str, kind: str, out: Settled) -> None:
+    fleet.probing.discard(device)
+    if device not in fleet.active:
+        return
+    if kind in ("fault", "death"):  # it no longer runs a model it ran before
+        fleet.faults_seen += kind == "fault"
+        out.quarantined.append(quarantine(fleet, device, canary_died=True))
+        return
+    fleet.deaths.pop(device, None)  # it still does: the streak was the models'
+    _judge(fleet, device, out)
+
+
+def reopen(fleet: Fleet, job: Job) -> Settled:
+    """`job` was recorded with a death on a device since quarantined: run it again, or pending."""
+    job.deferred = False
+    return _elsewhere(fleet, job, Settled())
 
 
 def release(fleet: Fleet, job: Job) -> None:
@@ -211,16 +393,16 @@ def release(fleet: Fleet, job: Job) -> None:
         fleet.probation.get(a.device, set()).discard(job.id)
 
 
-def counted(job: Job) -> list[str]:
-    """The outcomes `job`'s attempts measured, device faults and interruptions left out (those were
-    the device's, not the model's)."""
-    return [a.outcome for a in job.attempts if a.outcome != "interrupted" and not a.device_fault]
+def counted(job: Job, quarantined: Iterable[str] = ()) -> list[str]:
+    """The outcomes `job`'s attempts measured, device faults, interruptions and attempts on quarantined
+    devices left out (those were the devices', not the model's)."""
+    return [a.outcome for a in own(job, quarantined)]
 
 
-def needs_rerun(job: Job, outcome: str) -> bool:
+def needs_rerun(job: Job, outcome: str, quarantined: Iterable[str] = ()) -> bool:
     """Whether a finished job should be sampled again: its attempts disagreed (e.g. a crash, then a
     pass on retry). A pending device-side row is not a result yet, so it is not sampled."""
-    return len(set(counted(job))) > 1 and outcome not in DEVICE_SIDE
+    return len(set(counted(job, quarantined))) > 1 and outcome not in DEVICE_SIDE
 
 
 def rerun_verdict(first: str, reruns: Sequence[str]) -> str:

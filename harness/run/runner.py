@@ -25,9 +25,9 @@ from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run import policy
-from harness.run.pipeline import Task
+from harness.run.pipeline import CAP_TOO_SMALL, Task
 from harness.run.pool import PRELOAD, Event, Pool, Worker, context
-from harness.run.worker import task_payload, worker_main
+from harness.run.worker import WORKER_IMPORTS, task_payload, worker_main
 
 
 @dataclass
@@ -88,6 +88,8 @@ class RunSummary:
     resumed_run: str | None = None  # the unfinished run this one continued
     with_fallback: dict[str, int] = field(default_factory=dict)  # outcome -> rows that used CPU fallback
     reruns: dict[str, int] = field(default_factory=dict)  # --rerun-flaky: models re-run, found flaky, stable
+    run_counts: dict[str, int] = field(default_factory=dict)  # outcome -> rows of the whole run (resumes too)
+    never_worked: str = ""  # why the target never ran a model, when it did not
 
     @property
     def rows_written(self) -> int:
@@ -191,7 +193,7 @@ class _Run:
         # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
         fork_here = config.fork_workers and not worker_env
         self.pool = Pool(
-            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker"]),
+            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker", *WORKER_IMPORTS]),
             worker_main,
             # the forkserver's environment is from whenever it started; workers get today's
             lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
@@ -207,6 +209,7 @@ class _Run:
         self.rerun_from: dict[str, int] = {}  # model -> index of its first rerun attempt (rows mark them)
         self.rerun_stats: Counter[str] = Counter()
         self.pending = 0  # rows recorded as device_error: re-run on resume
+        self.first_failure = ""  # the first device fault or death, for a target that never worked
         self.assigning = False
         self.t_start = time.monotonic()
         self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
@@ -214,18 +217,18 @@ class _Run:
 
     # -- workers -----------------------------------------------------------------------------
 
+    def _load(self) -> Counter[str]:
+        return Counter(w.key for w in self.pool.workers)
+
     def _spawn(self) -> None:
-        dev = policy.pick_device(self.fleet, Counter(w.key for w in self.pool.workers))
+        dev = policy.pick_device(self.fleet, self._load(), self.queue)
         if dev is not None:
             self.pool.spawn(dev)
 
     def _replace(self, w: Worker) -> None:
         self.pool.retire(w)
         if len(self.pool.workers) < self.cfg.jobs and (self.queue or any(x.busy for x in self.pool.workers)):
-            if w.key in self.fleet.active:
-                self.pool.spawn(w.key)
-            else:
-                self._spawn()
+            self._spawn()
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -244,16 +247,18 @@ class _Run:
     def _finish(self, job: policy.Job, m: Measurement, outcome: str) -> None:
         self.finished[job.id] = (job, m, outcome)
         self._write(job, m, outcome)
-        self.counts[outcome] += 1
-        if m.fallback_ops:
-            self.with_fallback[outcome] += 1
+        self._count(m, outcome, 1)
         self.progress.update(1)
         self.progress.set_postfix_str(" ".join(f"{k}={v}" for k, v in sorted(self.counts.items()) if v),
                                       refresh=False)
 
+    def _count(self, m: Measurement, outcome: str, n: int) -> None:
+        self.counts[outcome] += n
+        if m.fallback_ops:
+            self.with_fallback[outcome] += n
+
     def _quarantine(self, q: policy.Quarantined) -> None:
-        self.progress.write(f"portharness: quarantining {q.device} after {self.fleet.strikes[q.device]} "
-                            "device-attributable failures", file=sys.stderr)
+        self.progress.write(f"portharness: quarantining {q.device}: {q.why}", file=sys.stderr)
         if q.spare:
             self.progress.write(f"portharness: bringing in hot spare {q.spare}", file=sys.stderr)
         for w in [w for w in self.pool.workers if w.key == q.device]:
@@ -273,22 +278,49 @@ class _Run:
             self._write(job, job.last, job.last.outcome)
             self.counts["flaky"] -= 1
             self.counts[job.last.outcome] += 1
+        # Models recorded with a death on this device: that was the device's, not their result.
+        self.queue = deque(j for j in self.queue if not j.probe or j.probe in self.fleet.probing)
+        for job in q.reopen:
+            if job in self.samples or job.id not in self.finished:
+                continue
+            _, m, recorded = self.finished.pop(job.id)
+            self._count(m, recorded, -1)
+            self.progress.update(-1)
+            verdict = policy.reopen(self.fleet, job)
+            if verdict.retry:
+                self._write(job, m, "device_error")  # not its result any more: a resume re-runs it meanwhile
+            self._apply(job, m, verdict)
         if not self.fleet.active:
             self.progress.write("portharness: every device is quarantined; stopping (resume later with --resume)",
                                 file=sys.stderr)
 
-    def _settle(self, w: Worker, m: Measurement) -> None:
+    def _settle(self, w: Worker, m: Measurement, phase: str = "") -> None:
         job: policy.Job = w.job
         w.job = None
-        verdict = policy.settle(self.fleet, job, m, w.key, time.monotonic() - w.started)
+        if m.error_type == CAP_TOO_SMALL:
+            raise ValueError(f"--mem-cap-mb {self.cfg.mem_cap_mb}: too small for the worker's own imports "
+                             f"({m.error_message[:300]}); raise it, or 0 for no cap (the run is resumable)")
+        others = bool(self.queue) or any(x.busy for x in self.pool.workers if x is not w)
+        verdict = policy.settle(self.fleet, job, m, w.key, time.monotonic() - w.started, phase, others)
+        if not self.first_failure and policy.evidence(m, phase) in ("fault", "death"):
+            self.first_failure = f"{m.error_type}: {m.error_message[:200]}"
+        self._apply(job, m, verdict)
+
+    def _apply(self, job: policy.Job, m: Measurement, verdict: policy.Settled) -> None:
         if verdict.retry:
-            self.queue.appendleft(job)
+            if verdict.defer:
+                self.queue.append(job)
+            else:
+                self.queue.appendleft(job)
+        elif job.probe:
+            pass  # a canary run decides its device's streak; it is no row
         elif job in self.samples:
             self._sampled(job, m)
         else:
             self._finish(job, m, verdict.outcome)
             if verdict.pending:
                 self.pending += 1
+        self.queue.extendleft(verdict.probes)
         for q in verdict.quarantined:
             self._quarantine(q)
 
@@ -297,7 +329,7 @@ class _Run:
     def _queue_reruns(self) -> int:
         """Queue `rerun_flaky` samples of every model whose attempts disagreed; returns how many models."""
         n = self.cfg.rerun_flaky
-        models = [mid for mid, (job, _, outcome) in self.finished.items() if policy.needs_rerun(job, outcome)]
+        models = [mid for mid, (job, _, outcome) in self.finished.items() if policy.needs_rerun(job, outcome, self.fleet.quarantined)]
         for mid in models:
             self.samples_left[mid] = n
             self.sampled[mid] = []
@@ -324,8 +356,9 @@ class _Run:
         job, m, recorded = self.finished[mid]
         samples = self.sampled.pop(mid, [])
         self.samples_left.pop(mid, None)
-        first = policy.counted(job)[-1]
-        reruns = [o for s, _ in samples for o in policy.counted(s)]
+        gone = self.fleet.quarantined
+        first = (policy.counted(job, gone) or policy.counted(job))[-1]
+        reruns = [o for s, _ in samples for o in policy.counted(s, gone)]
         outcome = policy.rerun_verdict(first, reruns)
         # The row's measurement is one that gave the verdict's outcome (the run's own, if it did).
         final = m if outcome in (first, "flaky") else next((sm for _, sm in samples if sm.outcome == outcome), m)
@@ -334,12 +367,8 @@ class _Run:
             job.attempts.extend(s.attempts)
         self.finished[mid] = (job, final, outcome)
         self._write(job, final, outcome)
-        self.counts[recorded] -= 1
-        self.counts[outcome] += 1
-        if m.fallback_ops:
-            self.with_fallback[recorded] -= 1
-        if final.fallback_ops:
-            self.with_fallback[outcome] += 1
+        self._count(m, recorded, -1)
+        self._count(final, outcome, 1)
         self.rerun_stats["models"] += 1
         self.rerun_stats["flaky" if outcome == "flaky" else "stable"] += 1
 
@@ -352,17 +381,25 @@ class _Run:
             if not policy.ready_to_assign(all(w.ready for w in workers), waited):
                 return
             self.assigning = True
-        for w in workers:
+        for w in list(workers):
             if not w.ready or w.busy or not self.queue:
                 continue
-            job = policy.pick_job(self.fleet, w.key, self.queue, (x.key for x in workers))
+            job = policy.pick_job(self.fleet, w.key, self.queue)
             if job is not None:
                 self.queue.remove(job)
                 self._send(w, job)
+            elif (dest := policy.idle_move(self.fleet, self.queue, self._load())) is not None:
+                w.stop()  # nothing here for it: the waiting work can run on a device without a worker
+                self.pool.retire(w)
+                self.pool.spawn(dest)
+        workers = self.pool.workers
         idle = [w for w in workers if w.ready and not w.busy and w.key in self.fleet.active]
-        if self.queue and idle and not any(w.busy for w in workers):
-            # Safety net: the preferences above must never stall a run; take the head of the queue.
-            self._send(idle[0], self.queue.popleft())
+        if self.queue and idle and not any(w.busy or not w.ready for w in workers):
+            # Safety net: the preferences above must never stall a run; take the first job it may run.
+            job = next((j for j in self.queue if j.probe in ("", idle[0].key)), None)
+            if job is not None:
+                self.queue.remove(job)
+                self._send(idle[0], job)
 
     def _send(self, w: Worker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.key, settings=dict(self.cfg.settings),
@@ -388,7 +425,7 @@ class _Run:
                     "model to see the error"
                 )
         if w.busy:
-            self._settle(w, _death(w, self.cfg))
+            self._settle(w, _death(w, self.cfg), phase=w.phase or "start")
         self._replace(w)
 
     def _drain(self) -> None:
@@ -413,7 +450,7 @@ class _Run:
         finally:
             self.pool.close()
             self.progress.close()
-        self.queue = deque(j for j in self.queue if j not in self.samples)
+        self.queue = deque(j for j in self.queue if j not in self.samples and not j.probe)
         unfinished = len(self.queue) + self.pending
         if unfinished == 0:
             self.store.finish_run(self.run_id)
@@ -431,4 +468,13 @@ class _Run:
             resumed_run=self.resumed_run,
             with_fallback={k: v for k, v in self.with_fallback.items() if v},
             reruns=dict(self.rerun_stats),
+            run_counts={str(k): int(v) for k, v in self.store.results(self.run_id)["outcome"].value_counts().items()},
+            never_worked=self._never_worked(),
         )
+
+    def _never_worked(self) -> str:
+        if not policy.never_worked(self.fleet):
+            return ""
+        gone = f"quarantined {', '.join(self.fleet.quarantined)}; " if self.fleet.quarantined else ""
+        return (f"the target {self.cfg.target} never ran a model: {gone}{self.fleet.faults_seen} device fault(s), "
+                f"first: {self.first_failure or '-'}. Check its driver or device server, then rerun with --resume")

@@ -2,12 +2,15 @@
 
 A model that segfaults, hangs or eats all memory takes down only this process; the runner sees it
 die through the pool and replaces it. The worker applies the supervisor's environment as of the
-moment it was started (device counts, fault injection), loads the target's backend itself, and caps
-how much address space it may add, so a runaway allocation fails here with MemoryError.
+moment it was started (device counts, fault injection), loads the target's backend itself, imports what
+running a model needs and starts torch's thread pool, and only then caps how much address space it may
+add: a runaway allocation fails here with MemoryError, and the cap is the models' budget, not the
+harness's (an import that still finds no room under it stops the run as a configuration error).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -29,17 +32,36 @@ def task_payload(task: Task) -> dict[str, Any]:
     return asdict(task)
 
 
+# Loading any Hugging Face model imports these (with torch._dynamo, sympy, scipy: ~1400 modules).
+WORKER_IMPORTS = ("transformers.modeling_utils", "harness.run.pipeline")
+
+
 def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] | None = None) -> Measurement:
     """One model on this worker's device; a harness bug becomes a crash row, never a dead worker."""
     task = Task(**payload)
     task.target = device
     model_id = task.entry["id"]
+    current = ["start"]
+
+    def on_phase(name: str) -> None:
+        current[0] = name
+        if phase is not None:
+            phase(name)
+
     try:
-        return run_one(task, phase)
-    except MemoryError as e:
-        return Measurement(model_id=model_id, device=device, **{**classify_exception(e), "outcome": "oom"})
-    except BaseException as e:  # bug in the harness itself: report it as a crash row, keep serving
-        return Measurement(model_id=model_id, device=device, **{**classify_exception(e), "outcome": "crash"})
+        return run_one(task, on_phase)
+    except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
+        fields = classify_exception(e, stage=current[0])
+        return Measurement(model_id=model_id, device=device,
+                           **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+
+
+def preload() -> None:
+    """What every model needs, before the memory cap: imports, and torch's intra-op threads (each
+    thread's stack is address space)."""
+    for name in WORKER_IMPORTS:
+        importlib.import_module(name)
+    torch.ones(1 << 18).add_(1).sum()  # large enough to run in parallel
 
 
 def worker_main(
@@ -67,5 +89,6 @@ def worker_main(
     # this worker has its own environment, as the supervisor did: entry points, then --backend modules.
     load_backends(backends, entry_points=True)
     adapter_for(device).load()
+    preload()
     cap_address_space(mem_cap_mb)
     serve(conn, lambda payload, phase: run_task(payload, device, phase))

@@ -1,31 +1,62 @@
-"""npu_toy: a minimal out-of-tree PrivateUse1 backend ("toy") in pure Python, for portharness's tests.
+"""npu_toy: a small out-of-tree PrivateUse1 backend ("toy") in pure Python, for portharness's tests.
 
 It is what a vendor package looks like to the harness: importing it (or ``import torch``, through its
 ``torch.backends`` entry point) renames PrivateUse1 to ``toy``; a handful of ATen kernels compute on
 the CPU; every other op fails the way PyTorch fails for a missing kernel. Tensors are plain
 ``torch.Tensor`` objects whose storage-less StorageImpl (``torch._C._acc.create_empty_tensor``) carries
-the bytes as a flat CPU tensor on the storage's Python object, so views, ``detach`` and Parameters
-share them as on a real device.
+a handle to a buffer of the device side (`npu_toy.device.Executor`), so views, ``detach`` and
+Parameters share them as on a real device. One device.
 
 Deliberate gaps, one per way backends report them: most ops raise the dispatcher's "Could not run
 'aten::X' with arguments from the 'toy' backend"; convolution raises PyTorch's ``_overrideable``
 message; ``sort`` raises a Python NotImplementedError naming ``aten.sort``; ``index_add`` supports
-float32 only. Device death: while the file named by ``TOY_DEAD_FILE`` exists (or after `kill()`),
-every kernel and the device module raise ``RuntimeError("toy device lost ...")``.
+float32 only.
+
+As rude as real hardware, each behaviour behind an environment variable (read when used):
+
+- ``TOY_SERVER=127.0.0.1:PORT``: tensors live behind the op server (`npu_toy.remote`); a lost server
+  raises ConnectionRefusedError / BrokenPipeError / ConnectionResetError / TimeoutError (after
+  ``TOY_TIMEOUT`` s) at the next device call (seeding included); the package still imports and
+  counts its device without one;
+- ``TOY_LATE_ERRORS=1``: a kernel that fails does not raise at launch: it returns uninitialised
+  outputs and its error is raised at the next call that waits on the device (``synchronize``, a copy
+  to or from the host, ``.item()``), as CUDA does;
+- ``TOY_BROKEN_OPS=op:form,...``: kernels that fail, each with one real backend's wording (`FORMS`):
+  ``cannot`` ("toy cannot run aten.X.default yet"), ``remote`` (a remote executor relaying "Could not
+  run 'aten::X' with arguments from the 'CPU' backend"), ``bare`` ("op add is not implemented"),
+  ``dtype`` ("kernel mul does not support dtype 'Int'"), or ``shape`` (computes, but returns the
+  second and later outputs of a multi-output op one dimension short: a wrong-shape kernel);
+- ``TOY_FAULT=segv`` / ``hang``: every compute kernel kills the process with SIGSEGV / sleeps
+  ``TOY_HANG_S`` seconds (an hour by default): a dying or hanging device;
+- ``TOY_MEM_MB=N``: the device allocator holds N MiB and says "can't allocate memory" beyond;
+- ``TOY_DEAD_FILE=path``: while that file exists (or after `kill()`), every kernel and the device
+  module raise ``RuntimeError("toy device lost ...")``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+import weakref
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+from npu_toy.device import Dev, Executor, New, Ref
 
 BACKEND = "toy"
 aten = torch.ops.aten
 _META = torch._C.DispatchKeySet(torch._C.DispatchKey.Meta)
 _killed = False
 _registered = False
+_late: list[BaseException] = []  # the first failed kernel's error, raised at the next synchronizing call
+_local: Executor | None = None
+_client: Any = None
+FORMS = ("cannot", "remote", "bare", "dtype", "shape")
+_SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                 torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.int8: "Char", torch.uint8: "Byte"}
 
 
 def _autoload() -> None:  # the torch.backends entry point: runs inside `import torch`
@@ -47,39 +78,141 @@ def _check_alive() -> None:
         raise RuntimeError("toy device lost: the device stopped responding")
 
 
+def _device() -> Any:
+    """The executor: in this process, or the op server's through a client."""
+    global _local, _client
+    _check_alive()
+    address = os.environ.get("TOY_SERVER")
+    if not address:
+        if _local is None:
+            _local = Executor()
+        return _local
+    if _client is None or _client.address[1] != int(address.rpartition(":")[2]):
+        from npu_toy.remote import Client
+
+        _client = Client(address, float(os.environ.get("TOY_TIMEOUT", "10")))
+    return _client
+
+
+def _release(handle: int) -> None:  # a storage died: free its buffer (remote: with the next call)
+    if _client is not None and os.environ.get("TOY_SERVER"):
+        _client.frees.append(handle)
+    elif _local is not None:
+        _local.free([handle])
+
+
+def _sync() -> None:
+    """A call that waits on the device: a failure it queued is reported now."""
+    if _late:
+        raise _late.pop()
+
+
 def _is_toy(x: object) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == BACKEND
 
 
-def _payload(t: torch.Tensor) -> torch.Tensor:
-    """The CPU view holding a toy tensor's contents (aliases its storage)."""
-    return t.untyped_storage()._toy_buf.as_strided(t.shape, t.stride(), t.storage_offset())
+def _ref(t: torch.Tensor) -> Ref:
+    return Ref(t.untyped_storage()._toy, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _enc(x: object) -> object:
+    if _is_toy(x):
+        return _ref(x)
+    return Dev(str(x)) if isinstance(x, torch.device) else x
+
+
+def _adopt(handle: int, shape, dtype) -> torch.Tensor:
+    t = torch._C._acc.create_empty_tensor(tuple(shape), dtype)
+    storage = t.untyped_storage()
+    storage._toy = handle
+    weakref.finalize(storage, _release, handle)
+    return t
 
 
 def _new(shape, dtype) -> torch.Tensor:
-    t = torch._C._acc.create_empty_tensor(tuple(shape), dtype or torch.get_default_dtype())
-    t.untyped_storage()._toy_buf = torch.empty(t.numel(), dtype=t.dtype)
-    return t
+    dtype = dtype or torch.get_default_dtype()
+    numel = 1
+    for s in shape:
+        numel *= s
+    return _adopt(_device().alloc(numel, dtype), shape, dtype)
 
 
-def _wrap(x: object) -> object:
-    if not isinstance(x, torch.Tensor):
-        return x
-    t = torch._C._acc.create_empty_tensor(tuple(x.shape), x.dtype)
-    buf = x.contiguous().view(-1)
-    t.untyped_storage()._toy_buf = buf if buf.storage_offset() == 0 else buf.clone()
-    return t
+def _dec(x: object) -> object:
+    return _adopt(x.handle, x.shape, x.dtype) if isinstance(x, New) else x
 
 
-def _unwrap(x: object) -> object:
-    return _payload(x) if _is_toy(x) else x
+def _broken(name: str) -> str:
+    for item in filter(None, os.environ.get("TOY_BROKEN_OPS", "").split(",")):
+        op, _, form = item.strip().partition(":")
+        if op == name:
+            return form or "cannot"
+    return ""
+
+
+def _broken_error(op, form: str, args) -> Exception:
+    name = op._schema.name.removeprefix("aten::")
+    if form == "remote":  # what the server's own dispatcher said, passed on by the client
+        return RuntimeError(f"Could not run 'aten::{name}' with arguments from the 'CPU' backend. This could be "
+                            "because the operator doesn't exist for this backend, or was omitted during the "
+                            "selective/custom build process (if using custom build).")
+    if form == "bare":
+        return NotImplementedError(f"toy runtime: op {name} is not implemented")
+    if form == "dtype":
+        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
+        return RuntimeError(f"toy: kernel {name} does not support dtype '{_SCALAR_NAMES.get(dtype, str(dtype))}'")
+    return NotImplementedError(f"toy cannot run aten.{name}.{op._overloadname} yet: planned for a later release")
+
+
+def _launch() -> None:
+    """A compute kernel starts on the device: a dying or hanging device shows here."""
+    fault = os.environ.get("TOY_FAULT", "")
+    if fault == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif fault == "hang":
+        time.sleep(float(os.environ.get("TOY_HANG_S", "3600")))
+
+
+def _meta(x: object) -> object:
+    if _is_toy(x):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return torch.device("meta") if isinstance(x, torch.device) else x
+
+
+def _queue_failure(op, e: Exception, args, kwargs, inplace: bool):
+    """TOY_LATE_ERRORS: remember `e` for the next synchronizing call; outputs of the right shape now."""
+    shapes = op(*tree_map(_meta, args), **tree_map(_meta, kwargs))  # raises at once if it cannot
+    if not _late:
+        _late.append(e)
+    if inplace:
+        return args[0]
+    return tree_map(lambda m: _new(m.shape, m.dtype) if isinstance(m, torch.Tensor) else m, shapes)
 
 
 def _host(op, inplace: bool = False):
+    late_ok = op._schema.name != "aten::_local_scalar_dense"
+
     def kernel(*args, **kwargs):
-        _check_alive()
-        out = op(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        return args[0] if inplace else tree_map(_wrap, out)
+        if not late_ok:
+            _sync()  # .item() waits on the device
+        dev = _device()
+        _launch()
+        form = _broken(op._schema.name.removeprefix("aten::"))
+        try:
+            if form and form != "shape":
+                raise _broken_error(op, form, args)
+            out = dev.run(str(op), tree_map(_enc, args), tree_map(_enc, kwargs), inplace)
+        except (OSError, MemoryError):
+            raise  # the device is unreachable, or its allocator full: that is known at launch
+        except Exception as e:
+            if late_ok and os.environ.get("TOY_LATE_ERRORS") == "1":
+                return _queue_failure(op, e, args, kwargs, inplace)
+            raise
+        if inplace:
+            return args[0]
+        out = tree_map(_dec, out)
+        if form == "shape" and isinstance(out, tuple) and len(out) > 1:
+            out = (out[0], *(o.squeeze(-1) if isinstance(o, torch.Tensor) and o.dim() else o for o in out[1:]))
+        return out
 
     return kernel
 
@@ -95,18 +228,23 @@ def _meta_view(op):
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    _check_alive()
     return _new(size, dtype)
 
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    _check_alive()
     return _new(size, dtype)
 
 
 def _copy_from(src, dst, non_blocking=False):
-    _check_alive()
-    (_payload(dst) if _is_toy(dst) else dst).copy_(_unwrap(src))
+    dev = _device()
+    if _is_toy(src) and _is_toy(dst):  # a copy on the device is queued like any kernel
+        dev.copy(_ref(dst), _ref(src))
+        return dst
+    _sync()  # a copy to or from the host waits for the work queued before it
+    if _is_toy(dst):
+        dev.write(_ref(dst), src.detach().to(dst.dtype))
+    else:
+        dst.copy_(dev.read(_ref(src)))
     return dst
 
 
@@ -118,7 +256,7 @@ def _index_add(self, dim, index, source, alpha=1):
     _check_alive()
     if self.dtype != torch.float32:
         raise RuntimeError(f"op aten::index_add supports float32 only, got {str(self.dtype).removeprefix('torch.')}")
-    return _wrap(_unwrap(self).index_add(dim, _unwrap(index), _unwrap(source), alpha=alpha))
+    return _host(aten.index_add.default)(self, dim, index, source, alpha=alpha)
 
 
 _lib = torch.library.Library("aten", "IMPL")  # keep a reference: registrations die with it
@@ -139,11 +277,14 @@ class _DeviceModule:
 
     @staticmethod
     def is_available() -> bool:
-        return _alive()
+        try:
+            return bool(_device().ping())
+        except (OSError, RuntimeError):
+            return False
 
     @staticmethod
     def device_count() -> int:
-        return 1
+        return 1  # configured, as a driver knows its devices without asking them
 
     is_initialized = staticmethod(lambda: True)
     current_device = staticmethod(lambda: 0)
@@ -154,15 +295,16 @@ class _DeviceModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        _check_alive()
+        _device().ping()
+        _sync()
 
     @staticmethod
     def manual_seed(seed: int) -> None:
-        _check_alive()
+        _device().ping()
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        _check_alive()
+        _device().ping()
 
 
 def _register() -> None:
