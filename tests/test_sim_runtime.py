@@ -80,7 +80,7 @@ def test_memory_accounting_counts_live_storages_once():
 
 
 def test_allocations_beyond_the_device_memory_raise_out_of_memory():
-    from harness.run.pipeline import classify_exception
+    from harness.run.attribution import classify_exception
 
     base = torch.sim.memory_allocated(1)
     ooms = torch.sim.memory_stats(1)["num_ooms"]

@@ -25,7 +25,8 @@ from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run import policy
-from harness.run.pipeline import CAP_TOO_SMALL, Task
+from harness.run.attribution import CAP_TOO_SMALL
+from harness.run.pipeline import Task
 from harness.run.pool import PRELOAD, Event, Pool, Worker, context
 from harness.run.worker import WORKER_IMPORTS, task_payload, worker_main
 

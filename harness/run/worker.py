@@ -22,8 +22,9 @@ import torch
 
 from harness.backends import adapter_for, load_backends
 from harness.results.rows import Measurement
+from harness.run.attribution import classify_exception
 from harness.run.memory import cap_address_space
-from harness.run.pipeline import Task, classify_exception, run_one
+from harness.run.pipeline import Task, run_one
 from harness.run.pool import serve
 
 

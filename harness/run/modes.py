@@ -1,0 +1,162 @@
+"""What a mode compares: the step both sides run, and what its results need before and after the comparison.
+
+`pipeline` runs the same phases for every mode (load, reference twice, fp64 oracle, declared-precision
+expected reference, target, compare, localize); a mode says what one *step* is and how its named
+outputs are judged:
+
+- ``inference``: one forward without gradients; every float output.
+- ``train``: one deterministic training step (`harness.run.train`): the loss, every gradient, and the
+  SGD-momentum and AdamW updates, which the target is judged on as replayed on the CPU from its own
+  gradients; a parameter with a gradient on the reference and none on the target is `missing_grad`;
+  a drift names a parameter rather than a module.
+
+A new mode is one more `Mode` in `MODES` (its CLI choice comes from there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from harness.models.labels import make_labels
+from harness.models.outputs import output_tensors
+from harness.run.compare import Tolerance, Verdict
+from harness.run.train import (
+    OPTIMIZERS,
+    family_floors,
+    missing_grads,
+    prepare,
+    replay_updates,
+    train_metrics,
+    train_step,
+)
+
+Step = Callable[[torch.nn.Module, dict[str, Any]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class Plan:
+    """One model's step under a mode, decided on the reference."""
+
+    step: Step  # (model, inputs) -> named CPU tensors; run on the reference, the oracle and the target
+    inputs: dict[str, Any]  # what the step takes (the model's inputs, plus labels in train mode)
+    fields: dict[str, Any] = field(default_factory=dict)  # row fields the mode decided (loss_kind)
+    first: dict[str, torch.Tensor] | None = None  # the reference's first result, if deciding the step ran it
+
+
+@dataclass
+class Judged:
+    """What a mode adds to a verdict: row fields, a decided outcome, messages for a drift's explanation."""
+
+    fields: dict[str, Any] = field(default_factory=dict)
+    outcome: str | None = None  # set when the mode decides the outcome itself (missing_grad)
+    message: str = ""
+
+
+def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One forward without gradients: every float output, on the CPU."""
+    with torch.no_grad():
+        out = model(**inputs)
+    return {k: v.detach().cpu() for k, v in output_tensors(out).items()}
+
+
+class Mode:
+    """Inference, and the defaults every mode starts from."""
+
+    name = "inference"
+    localizes = True  # a drift is localized to a module by comparing module outputs
+    streamed_oracle = True  # the fp64 oracle may stream one op's weights at a time (real checkpoints)
+    keeps_cpu_model = False  # the CPU model is needed after the target ran, so the target gets a copy
+
+    def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
+        return Plan(forward, inputs)
+
+    def before_compare(self, model: torch.nn.Module, ref: dict, target: dict, oracle: dict | None,
+                       expected: dict | None, tol: Tolerance) -> tuple[dict, dict | None, dict | None, Tolerance]:
+        """(reference, oracle, expected, tolerance) as the comparison should see them."""
+        return ref, oracle, expected, tol
+
+    def judge(self, ref: dict, target: dict, verdict: Verdict) -> Judged:
+        return Judged()
+
+    def explain(self, out: dict[str, Any], kernel: Any, verdict: Verdict, envelope: str) -> list[str]:
+        """Extra sentences for a drift's message (and fields written into `out`)."""
+        return []
+
+
+class TrainMode(Mode):
+    name = "train"
+    localizes = False  # a drift names the parameter whose gradient moved, not a module
+    streamed_oracle = False  # gradients and optimizer state take the parameters' dtype: fp32 weights give no fp64 step
+    keeps_cpu_model = True  # the target's updates are replayed on the CPU model
+
+    def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
+        """The head's own loss where its labels work on the reference, else the fixed reduction (and why)."""
+        prepare(model)
+        why = "the head takes no labels"
+        try:
+            labels = make_labels(model, loaded.config, entry.task, inputs, seed=seed)
+        except Exception as e:  # labels are ours to make: the step falls back to the fixed reduction
+            labels, why = {}, f"no labels could be made: {type(e).__name__}: {str(e)[:200]}"
+        if labels:
+            with_labels = {**inputs, **labels}
+            try:
+                first = train_step(model, with_labels, model_loss=True, seed=seed)
+            except Exception as e:
+                why = f"the head's loss failed: {type(e).__name__}: {str(e)[:200]}"
+            else:
+                return Plan(lambda m, x: train_step(m, x, model_loss=True, seed=seed), with_labels,
+                            {"loss_kind": "model"}, first)
+        first = train_step(model, inputs, model_loss=False, seed=seed)
+        return Plan(lambda m, x: train_step(m, x, model_loss=False, seed=seed), inputs,
+                    {"loss_kind": f"reduction ({why})"}, first)
+
+    def before_compare(self, model, ref, target, oracle, expected, tol):
+        """The optimizers judged on the target's own gradients (see harness.run.train)."""
+        ref = {**ref, **replay_updates(model, target)}
+        tol = replace(tol, relative=True, min_rms=family_floors(ref))
+        if oracle is not None:
+            oracle = {**oracle, **replay_updates(model, target, torch.float64)}
+        if expected is not None:
+            expected = {**expected, **{k: v for k, v in ref.items() if k.split("/")[0] in OPTIMIZERS}}
+        return ref, oracle, expected, tol
+
+    def judge(self, ref, target, verdict):
+        judged = Judged(train_metrics(ref, target, {c.name: c for c in verdict.checks}))
+        missing = missing_grads(ref, target)
+        if missing:
+            judged.fields["missing_grads"] = missing
+            judged.outcome = "missing_grad"
+            judged.message = (f"{len(missing)} parameter(s) got no gradient on the target: "
+                              + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+        return judged
+
+    def explain(self, out, kernel, verdict, envelope):
+        if out.get("first_drift_param"):
+            return [f"first parameter whose gradient drifts: {out['first_drift_param']}"]
+        if kernel is None:
+            return []
+        if kernel.param:  # gradients within the envelope: name the kernel's parameter
+            out["first_drift_param"] = kernel.param
+            return [f"gradients within the {envelope} envelope; the drifting kernel's parameter (or its "
+                    f"module's nearest): {kernel.param}"]
+        grads = [c for c in verdict.checks if c.name.startswith("grad/") and c.rmse_ratio is not None]
+        if grads:  # e.g. the loss, outside every module: the gradient it moved most
+            out["first_drift_param"] = max(grads, key=lambda c: c.rmse_ratio).name.removeprefix("grad/")
+            return [f"gradients within the {envelope} envelope; the drifting kernel has no parameter of its own "
+                    f"or of its module's, the gradient it moved most: {out['first_drift_param']}"]
+        return []
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode())}
+
+
+def mode_for(settings: dict[str, Any]) -> Mode:
+    """The mode a run's settings name (inference unless told)."""
+    name = settings.get("mode", "inference")
+    if name not in MODES:
+        raise ValueError(f"--mode {name!r}: expected one of {', '.join(MODES)}")
+    return MODES[name]

@@ -1,0 +1,92 @@
+"""The target side of one model: the model on the target device, and the step run there.
+
+Three runs, each under the backend's settings and op census: a warm-up (first-call costs such as lazy
+initialisation stay out of the timing), the op check's run (every kernel judged on its own inputs
+against the CPU; after the plain run, because a dispatch mode changes some paths and the verdict on
+errors belongs to the model's own path), and the run that is judged. Each ends by synchronizing the
+device: a backend that reports a failed kernel at the next synchronizing call (as CUDA does) reports it
+here, with this model. A failure stops the row with its fields (`reference.Stop`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.backends import Adapter
+from harness.backends.base import OpCensus
+from harness.run.attribution import drain, target_failure
+from harness.run.modes import Plan
+from harness.run.opcheck import OpJudge
+from harness.run.reference import Stop
+
+
+@dataclass
+class TargetSide:
+    model: torch.nn.Module  # the model on the device
+    inputs: dict[str, Any]  # the step's inputs on the device
+    out: dict[str, torch.Tensor]  # the judged run's named outputs, on the CPU
+    seconds: float  # the judged run, synchronized
+    census: OpCensus
+    judge: OpJudge | None  # None when the op check was off or could not run
+
+
+def census_fields(census: OpCensus) -> dict[str, Any]:
+    if census.fallback is None and census.native is None:
+        return {}
+    return {"op_census": True, "fallback_ops": census.fallback or {}, "native_ops": census.native or []}
+
+
+def to_device(inputs: dict[str, Any], device: str | torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    out = {}
+    for k, v in inputs.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to(device)
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+def target_side(model: torch.nn.Module, plan: Plan, device: str, adapter: Adapter, settings: dict[str, Any],
+                seed: int, judge: OpJudge | None, *, copy_model: bool) -> TargetSide:
+    """Run `plan`'s step on `device` (`copy_model`: a deep copy goes to the device, else `model` itself)."""
+    census = OpCensus()
+    try:
+        adapter.seed(seed)
+        inputs = to_device(plan.inputs, device)
+        with adapter.apply(settings), adapter.census() as census:
+            tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
+            if judge is not None:
+                judge.name_modules(tmodel)
+            plan.step(tmodel, inputs)  # warm-up
+            if judge is not None:
+                judge = _judged_run(judge, plan, tmodel, inputs, adapter, device)
+            t0 = time.perf_counter()
+            out = plan.step(tmodel, inputs)
+            adapter.synchronize(device)  # what the device reports late is this model's
+            seconds = time.perf_counter() - t0
+    except Exception as e:
+        raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census)}) from None
+    return TargetSide(tmodel, inputs, out, seconds, census, judge)
+
+
+def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,
+                device: str) -> OpJudge | None:
+    """The op check's run; None if it could not run (the plain run decides then), unless a device
+    fault stopped it: that is the device's, and stops the row."""
+    try:
+        with judge:
+            plan.step(tmodel, inputs)
+        adapter.synchronize(device)
+    except Exception as e:
+        late = drain(adapter, device)
+        for x in (e, late):
+            if x is not None and adapter.blames_device(x) is not None:
+                raise x from None
+        return None
+    return judge
