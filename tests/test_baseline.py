@@ -324,7 +324,7 @@ def test_real_flaky_rerun_with_a_probabilistic_sim_fault(two_nights: dict, tmp_p
     run = cli("run", "--list", str(two_nights["list"]), "--db", str(db), "--precision", "highest", "--ops",
               str(two_nights["profile"]), "--no-op-check", "--jobs", "1", "--retries", "3", "--quarantine-after", "100",
               "--rerun-flaky", "6", "--no-localize", "--quiet",
-              env={"PORTHARNESS_SIM_FAULTS": "sim:0=nan:0.004@seed=0;sim:1=nan:0.004@seed=0"})
+              env={"PORTHARNESS_SIM_FAULTS": "sim:0=nan:0.0075@seed=2;sim:1=nan:0.0075@seed=2"})
     assert run.returncode == 0, run.stdout + run.stderr
     with ResultStore(db, create=False) as st:
         rows = {r["model_id"]: r for r in st.results(st.latest_run()).to_dict("records")}
