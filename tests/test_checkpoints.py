@@ -16,7 +16,7 @@ from harness.models.load import load_model
 from harness.models.model_list import ModelEntry, find_entry
 from harness.models.tiny import build_tiny
 from harness.results.rows import PHASES
-from harness.run import oracle, pipeline
+from harness.run import modes, oracle, pipeline
 from harness.run.pipeline import Task, run_one
 
 
@@ -128,11 +128,11 @@ def test_streamed_oracle_matches_the_fp64_copy(gpt2: torch.nn.Module) -> None:
     from harness.models.inputs import make_inputs
 
     inputs = make_inputs(gpt2, gpt2.config, ModelEntry(id="g", source="tiny", arch="gpt2", task="causal-lm"))
-    copy_out, rule_copy, _ = oracle.fp64_outputs(gpt2, inputs, pipeline._forward)
+    copy_out, rule_copy, _ = oracle.fp64_outputs(gpt2, inputs, modes.forward)
     saved = oracle.COPY_MAX_PARAMS
     try:
         oracle.COPY_MAX_PARAMS = 0
-        stream_out, rule_stream, model64 = oracle.fp64_outputs(gpt2, inputs, pipeline._forward)
+        stream_out, rule_stream, model64 = oracle.fp64_outputs(gpt2, inputs, modes.forward)
     finally:
         oracle.COPY_MAX_PARAMS = saved
     assert (rule_copy, rule_stream, model64) == ("fp64-copy", "fp64-streamed", None)
