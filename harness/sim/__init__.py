@@ -39,16 +39,15 @@ kernel on the same memory). Autograd and training on every ``sim:N`` (a native d
 simulated memory size (``memory``), streams and events (``streams``), storages and data pointers
 shared by views (``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``),
 ``Module.to`` keeping parameters (and tied weights) as on any device, ``torch.compile`` with the
-``eager``/``aot_eager`` backends, and ``torch.autocast("sim")`` with CUDA's op lists (``autocast``).
-Python runs per op only while a switch needs it: injected faults, planted numerics bugs, autocast.
+``eager``/``aot_eager`` backends and with Inductor, whose C++ code generation serves sim (``inductor``),
+and ``torch.autocast("sim")`` with CUDA's op lists (``autocast``). Python runs per op only while a
+switch needs it: injected faults, planted numerics bugs, autocast.
 
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
-calling it eagerly raises PyTorch's own "FlexAttention is only supported on ..." ValueError, and
-reaching it through torch.compile (transformers' ``attn_implementation="flex_attention"``) raises a
-NotImplementedError naming FlexAttention, because sim has no Inductor code generator.
+PyTorch's own check raises "FlexAttention is only supported on ...", eagerly and while torch.compile
+traces it (transformers' ``attn_implementation="flex_attention"``).
 
-Known limits: Inductor (sim has no code generator: compile with ``eager`` or ``aot_eager``). The
-autograd engine reads the device count once, at the first backward.
+Known limits: the autograd engine reads the device count once, at the first backward.
 
 ``harness.sim.conformance`` (not imported here: it needs ``expecttest``) runs PyTorch's OpInfo
 samples on sim against CPU.
