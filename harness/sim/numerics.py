@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .native import ext
 
@@ -243,7 +243,7 @@ def _device_kernel(func: torch._ops.OpOverload, impl: Callable) -> Callable:
 
     def kernel(*args, **kwargs):
         ext.enter_op(name, "" if overload == "default" else overload)
-        devices = [x.device.index for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        devices = [x.device.index for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]  # cat: a list
         idx = devices[0] if devices else ext.current_device()
         host = tree_map(lambda x: ext.host_view(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         out = run(*host[0], **host[1])
