@@ -123,6 +123,8 @@ def test_free_running_divergence_is_a_near_tie_inside_the_envelope_and_a_bug_out
     assert got["divergence_envelope"] == pytest.approx(2 * (3 * 0.01 + 1e-4), rel=1e-3)  # m = 3: 32 logits
     exact = agreement(ref_tokens, target, ref, oracle, None, floor=1e-4)  # fp32 contract: no room for a flip
     assert exact["divergence"] == "bug" and exact["divergence_envelope"] == pytest.approx(2e-4)
+    beyond = agreement(ref_tokens, target, ref, oracle, expected, floor=1e-4, step_ok={step_output(1): False})
+    assert beyond["divergence"] == "bug"  # a small margin, but the step's own logits are beyond the bound
     same = agreement(ref_tokens, ref_tokens, ref, oracle, expected, floor=1e-4)
     assert (same["tokens_matched"], same["first_divergent_step"], same.get("divergence")) == (3, None, None)
 

@@ -19,7 +19,8 @@
 - Free running (`agreement`): the target's own greedy tokens against the reference's; at the first
   divergent step, the reference's top-2 logit margin against the declared envelope there (twice the
   largest logit error the declared precision itself makes at that step, times the rule's multiplier, plus
-  its floor), so a flip inside the envelope reads "near-tie", one outside it "bug".
+  its floor), so a flip inside the envelope reads "near-tie"; one outside it, or at a step whose
+  teacher-forced logits are themselves beyond the bound, reads "bug".
 """
 
 from __future__ import annotations
@@ -173,9 +174,11 @@ def step_fields(checks: dict[str, Any]) -> dict[str, Any]:
 
 def agreement(ref_tokens: torch.Tensor, target_tokens: torch.Tensor, ref: dict[str, torch.Tensor],
               oracle: dict[str, torch.Tensor] | None, expected: dict[str, torch.Tensor] | None,
-              floor: float) -> dict[str, Any]:
+              floor: float, step_ok: dict[str, bool] | None = None) -> dict[str, Any]:
     """Row fields for the free-running tokens: matched steps, the first divergent step, and there the
-    reference's top-2 margin against the declared envelope ("near-tie" inside it, "bug" outside)."""
+    reference's top-2 margin against the declared envelope: "near-tie" inside it, "bug" outside it, or
+    where that step's teacher-forced logits (`step_ok`: output name -> within the verdict's envelope) are
+    themselves beyond the bound."""
     same = (ref_tokens == target_tokens).all(dim=0).tolist()
     first = next((k for k, s in enumerate(same) if not s), None)
     out: dict[str, Any] = {
@@ -196,6 +199,6 @@ def agreement(ref_tokens: torch.Tensor, target_tokens: torch.Tensor, ref: dict[s
     err = (declared[row].double() - truth[row].double()).abs() if truth is not None else torch.zeros(1)
     finite = err[torch.isfinite(err)]
     envelope = 2 * (_multiplier(logits) * (finite.max().item() if finite.numel() else 0.0) + floor)
-    out.update(divergence_margin=margin, divergence_envelope=envelope,
-               divergence="near-tie" if margin <= envelope else "bug")
+    tie = margin <= envelope and (step_ok or {}).get(step_output(first), True)
+    out.update(divergence_margin=margin, divergence_envelope=envelope, divergence="near-tie" if tie else "bug")
     return out

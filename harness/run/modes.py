@@ -98,7 +98,7 @@ class Mode:
     def judge(self, ref: dict, target: dict, verdict: Verdict) -> Judged:
         return Judged()
 
-    def measure(self, side: Any, target: Any, tol: Tolerance) -> dict[str, Any]:
+    def measure(self, side: Any, target: Any, verdict: Verdict, tol: Tolerance) -> dict[str, Any]:
         """Row fields measured beyond the verdict, from the reference side and the target side."""
         return {}
 
@@ -199,11 +199,11 @@ class GenerateMode(Mode):
     def judge(self, ref, target, verdict):
         return Judged(generate.step_fields({c.name: c for c in verdict.checks}))
 
-    def measure(self, side, target, tol):
+    def measure(self, side, target, verdict, tol):
         if target.extra is None:
             return {}
         return generate.agreement(torch.tensor(side.plan.fields["ref_tokens"]), target.extra, side.ref, side.oracle,
-                                  side.expected, tol.floor(torch.zeros(1)))
+                                  side.expected, tol.floor(torch.zeros(1)), {c.name: c.ok_declared for c in verdict.checks})
 
     def explain(self, out, kernel, verdict, envelope):
         k = out.get("first_drift_step")

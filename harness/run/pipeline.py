@@ -130,7 +130,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
     )
     judged = mode.judge(ref, target.out, verdict)
-    out.update(judged.fields, **mode.measure(side, target, tol))
+    out.update(judged.fields, **mode.measure(side, target, verdict, tol))
     if judged.outcome is not None:
         out.update(outcome=judged.outcome, error_message=judged.message)
         return

@@ -17,10 +17,11 @@ kind                    what the kernel does wrong                              
 ======================= ==================================================================== ============
 
 ``cache-off-by-one`` is the decoding bug a single forward never meets. A KV-cache write is recognised by
-its shape alone: a 4-D float tensor (batch, heads, sequence, head dim) receiving one position along dim 2,
-by ``index_copy_`` into a preallocated cache (transformers' StaticCache) or by ``cat`` onto a growing one
-(DynamicCache). A write at position 0, or of several positions (a prompt's), starts a new sequence; the
-first one-position write after it is step 1, the next step 2 (its position minus the first's, plus one).
+its shape: a 4-D float tensor (batch, heads, sequence, head dim) receiving positions along dim 2, by
+``index_copy_`` into a preallocated cache (transformers' StaticCache) or by ``cat`` onto a growing one
+(DynamicCache). Each cache is followed by its memory: a write at position 0 or of several positions (a
+prompt's), or a ``cat`` onto an empty tensor, starts it at step 0; each one-position write into it (or
+``cat`` onto the tensor its last write made, a sliding window's view of it included) is the next step.
 From step `CACHE_BUG_STEP` on, the new token's key/value overwrites the previous token's slot and its own
 slot holds zeros (what a preallocated cache holds before its first write; a growing cache gets the same
 zeros appended, so both caches end up alike). Everything else, the prompt's forward and the steps before
@@ -127,17 +128,11 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
 
 
 CACHE_BUG_STEP = 2
-_decode_start: list[int | None] = [None]  # position of step 1's write in the sequence being decoded
+_steps: dict[int, int] = {}  # a cache's memory -> the decoding step of its last write
 
 
-def _cache_step(position: int, fresh: bool) -> int:
-    """The decoding step a one-position cache write at `position` belongs to (0: a new sequence's)."""
-    if fresh:
-        _decode_start[0] = None
-        return 0
-    if _decode_start[0] is None:
-        _decode_start[0] = position
-    return position - _decode_start[0] + 1
+def _memory(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()  # the device memory: host views and adopted results share it
 
 
 def _kv(t: object) -> bool:
@@ -146,22 +141,29 @@ def _kv(t: object) -> bool:
 
 def _index_copy_(self, dim, index, source):
     if _kv(self) and _kv(source) and dim % 4 == 2 and index.numel() >= 1:
-        position = int(index.min())
-        step = _cache_step(position, fresh=position == 0 or index.numel() > 1)
-        if step >= CACHE_BUG_STEP:
-            return aten.index_copy_.default(self, dim, index - 1, source)  # one slot early
+        if int(index.min()) == 0 or index.numel() > 1:  # a sequence's first write (its prompt's, or position 0)
+            _steps[_memory(self)] = 0
+        elif _memory(self) in _steps:
+            step = _steps[_memory(self)] = _steps[_memory(self)] + 1
+            if step >= CACHE_BUG_STEP:
+                return aten.index_copy_.default(self, dim, index - 1, source)  # one slot early
     return aten.index_copy_.default(self, dim, index, source)
 
 
 def _cat(tensors, dim=0):
-    if len(tensors) == 2 and _kv(tensors[1]):
+    if len(tensors) == 2 and _kv(tensors[1]) and dim % 4 == 2:
         old, new = tensors
-        if old.numel() == 0:  # a growing cache's first write: a new sequence
-            _cache_step(0, fresh=True)
-        elif _kv(old) and dim % 4 == 2 and new.shape[2] == 1 and old.shape[2] >= 1 and \
-                old.shape[:2] == new.shape[:2] and old.shape[3] == new.shape[3]:
-            if _cache_step(old.shape[2], fresh=False) >= CACHE_BUG_STEP:  # one slot early, its own slot zeros
-                return aten.cat.default([old[:, :, :-1], new, torch.zeros_like(new)], 2)
+        if old.numel() == 0:  # a growing cache's first write
+            out = aten.cat.default(tensors, dim)
+            _steps[_memory(out)] = 0
+            return out
+        step = _steps.pop(_memory(old), None) if _kv(old) and new.shape[2] == 1 else None
+        if step is not None and old.shape[:2] == new.shape[:2] and old.shape[3] == new.shape[3]:
+            step += 1
+            out = (aten.cat.default([old[:, :, :-1], new, torch.zeros_like(new)], 2)  # one slot early, its own zeros
+                   if step >= CACHE_BUG_STEP else aten.cat.default(tensors, dim))
+            _steps[_memory(out)] = step
+            return out
     return aten.cat.default(tensors, dim)
 
 
