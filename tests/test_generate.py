@@ -140,6 +140,12 @@ def test_a_decoder_only_prompt_is_left_padded_and_decoding_is_deterministic() ->
     assert all(torch.equal(forced[step_output(k)], a.logits[k]) for k in range(3))
 
 
+def test_check_of_a_model_without_a_generation_head_says_skipped_and_why() -> None:
+    r = cli("check", "tiny/bert/masked-lm", "--mode", "generate")
+    assert r.returncode == 0, r.stderr[-2000:]  # skipped, not failed
+    assert "skipped" in r.stdout and "BertForMaskedLM has no generation head" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cache", "static"], "--cache: only with --mode generate"),
     (["--mode", "generate", "--new-tokens", "0"], "--new-tokens 0: must be between 1 and 1024"),

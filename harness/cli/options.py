@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared")
+    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "
+                       "the mode does not apply to the model)")
     p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
     _target_options(p)
     p.add_argument("--task", default=None, choices=sorted(HEADS), metavar="TASK",

@@ -102,7 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(row, indent=2, default=str))
     else:
         print(terminal_text(f"portharness check {entry.id} on {args.target}\n" + "\n".join(verdict_lines(row))))
-    return 0 if row["outcome"] in PASSING else 1
+    return 0 if row["outcome"] in PASSING or row["outcome"] == "skipped" else 1  # skipped: the mode does not apply
 
 
 def cmd_run(args: argparse.Namespace) -> int:
