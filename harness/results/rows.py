@@ -65,7 +65,8 @@ class Measurement:
     missing_grads: list = field(default_factory=list)  # parameters with a reference gradient, none on target
     # generate mode (settings mode=generate): per-step logits under teacher forcing, free-running tokens
     new_tokens: int | None = None  # tokens decoded (the steps judged)
-    first_drift_step: int | None = None  # first step whose logits are beyond the bound (>= 1: the cache path)
+    first_drift_step: int | None = None  # first step whose logits are beyond the bound (>= 1: the cache path);
+    # where every step's logits are inside it but a kernel is not, the step that kernel ran in
     ref_tokens: list = field(default_factory=list)  # the reference's greedy tokens, one list per batch row
     target_tokens: list = field(default_factory=list)  # the target's own (free-running) greedy tokens
     tokens_matched: int | None = None  # steps at which every row's free-running token matched, before the first

@@ -13,7 +13,7 @@
 - Step k's logits are the model's raw next-token logits (its own dtype, before any processor: fp64 on
   the oracle), read by a forward hook: step 0 is the prompt's forward, step k >= 1 feeds one token
   through the cache.
-- Teacher forcing (`teacher_forced`): a last logits processor forces the reference's token at every
+- Teacher forcing (`TeacherForced`): a last logits processor forces the reference's token at every
   step, so the target decodes along the reference's tokens (one flipped near-tie cannot cascade) and
   its step-k logits are judged against the reference's step-k logits by the usual rule.
 - Free running (`agreement`): the target's own greedy tokens against the reference's; at the first
@@ -99,13 +99,14 @@ def _config(model: torch.nn.Module, new_tokens: int, cache: str) -> Any:
 
 
 def decode(model: torch.nn.Module, inputs: dict[str, Any], new_tokens: int, cache: str,
-           force: torch.Tensor | None = None) -> Decoded:
-    """Greedy decoding of `new_tokens` tokens (along `force`'s tokens, (batch, new_tokens), when given)."""
+           force: torch.Tensor | None = None, seen: dict[int, list[torch.Tensor]] | None = None) -> Decoded:
+    """Greedy decoding of `new_tokens` tokens (along `force`'s tokens, (batch, new_tokens), when given);
+    `seen` (filled while it runs) gets each generating module's logits, step by step."""
     from transformers import LogitsProcessorList
 
     # The logits of the module generate() really steps: the model itself, or a generating part of it
     # (BLIP's generate() runs its text decoder's).
-    seen: dict[int, list[torch.Tensor]] = {}
+    seen = {} if seen is None else seen
     handles = [m.register_forward_hook(_recorder(seen.setdefault(i, []))) for i, m in enumerate(_generators(model))]
     processors = LogitsProcessorList([_Force(force)] if force is not None else [])
     try:
@@ -149,15 +150,22 @@ def uses_static_cache(kind: str) -> bool:
     return kind.startswith("Static")
 
 
-def teacher_forced(new_tokens: int, cache: str, tokens: torch.Tensor) -> Callable[[torch.nn.Module, dict[str, Any]],
-                                                                                    dict[str, torch.Tensor]]:
-    """The step: decode along `tokens`, each step's logits as a named output."""
+class TeacherForced:
+    """The step: decode along `tokens`, each step's logits as a named output. While it runs, `now()` is
+    the decoding step running (the steps whose logits came out so far: an encoder's or a vision tower's
+    forward before the first step's logits is step 0's), so the op check can say where a kernel failed."""
 
-    def step(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-        run = decode(model, inputs, new_tokens, cache, force=tokens)
+    def __init__(self, new_tokens: int, cache: str, tokens: torch.Tensor) -> None:
+        self.new_tokens, self.cache, self.tokens = new_tokens, cache, tokens
+        self._seen: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self._seen = {}
+        run = decode(model, inputs, self.new_tokens, self.cache, force=self.tokens, seen=self._seen)
         return {step_output(k): t for k, t in enumerate(run.logits)}
 
-    return step
+    def now(self) -> int | None:
+        return next((len(steps) for steps in self._seen.values() if steps), 0) if self._seen else None
 
 
 def free_running(new_tokens: int, cache: str) -> Callable[[torch.nn.Module, dict[str, Any]], torch.Tensor]:

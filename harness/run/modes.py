@@ -53,6 +53,8 @@ class Plan:
     first: dict[str, torch.Tensor] | None = None  # the reference's first result, if deciding the step ran it
     extra: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None  # run once more on the target alone,
     # after the judged run (generate: free-running decoding); its result is the target side's `extra`
+    phase: Callable[[], int | None] | None = None  # where the running step is (generate: the decoding step),
+    # read by the op check when an op fails
 
 
 class Skip(Exception):
@@ -192,9 +194,9 @@ class GenerateMode(Mode):
         if self.cache == "static" and not generate.uses_static_cache(ref.cache_kind):
             raise Skip(f"--cache static: generate() decodes {type(model).__name__} with its own "
                        f"{ref.cache_kind or 'state'}, not a StaticCache")
-        return Plan(generate.teacher_forced(self.new_tokens, self.cache, ref.tokens), prompt,
-                    {"new_tokens": self.new_tokens, "ref_tokens": ref.tokens.tolist()},
-                    extra=generate.free_running(self.new_tokens, self.cache))
+        step = generate.TeacherForced(self.new_tokens, self.cache, ref.tokens)
+        return Plan(step, prompt, {"new_tokens": self.new_tokens, "ref_tokens": ref.tokens.tolist()},
+                    extra=generate.free_running(self.new_tokens, self.cache), phase=step.now)
 
     def judge(self, ref, target, verdict):
         return Judged(generate.step_fields({c.name: c for c in verdict.checks}))
@@ -207,10 +209,18 @@ class GenerateMode(Mode):
 
     def explain(self, out, kernel, verdict, envelope):
         k = out.get("first_drift_step")
+        if k is None and kernel is not None and kernel.step is not None:
+            # every step's logits inside the envelope, a kernel beyond it: the step is the kernel's
+            k = out["first_drift_step"] = kernel.step
+            return [f"logits within the {envelope} envelope at every step; the kernel ran in {_step(k)} of "
+                    f"{out.get('new_tokens')}"]
         if k is None:
             return [f"logits within the {envelope} envelope at every step"] if kernel is not None else []
-        where = "step 0 (the prompt's forward)" if k == 0 else f"step {k} (step 0 clean: the cache path)"
-        return [f"first step whose logits are beyond the bound: {where} of {out.get('new_tokens')}"]
+        return [f"first step whose logits are beyond the bound: {_step(k)} of {out.get('new_tokens')}"]
+
+
+def _step(k: int) -> str:
+    return "step 0 (the prompt's forward)" if k == 0 else f"step {k} (step 0 clean: the cache path)"
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode(), GenerateMode())}

@@ -85,6 +85,7 @@ def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dic
                 device: str) -> OpJudge | None:
     """The op check's run; None if it could not run (the plain run decides then), unless a device
     fault stopped it: that is the device's, and stops the row."""
+    judge.phase = plan.phase
     try:
         with judge:
             plan.step(tmodel, inputs)
