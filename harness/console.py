@@ -33,6 +33,8 @@ _VERDICT_FIELDS = [
     ("first drifting param", "first_drift_param"),
     ("missing gradients", None),
     ("train step", None),
+    ("first drifting step", None),
+    ("decoding", None),
     ("contract", "contract"),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
     ("declared ratio (<=1 ok)", "declared_ratio"),
@@ -99,6 +101,21 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
         nums = [("worst grad ratio", row.get("grad_worst_ratio")), ("grad norm ratio", row.get("grad_norm_ratio")),
                 ("loss delta", row.get("loss_delta"))]
         return f"loss {row['loss_kind']}; " + ", ".join(f"{k} {v:.4g}" for k, v in nums if v is not None)
+    if label == "first drifting step":
+        k = row.get("first_drift_step")
+        if k is None:
+            return None
+        return f"{k} of {row.get('new_tokens')}" + (" (step 0 clean: the cache path)" if k else " (the prompt's forward)")
+    if label == "decoding":
+        if row.get("tokens_matched") is None:
+            return None
+        text = f"free-running tokens matched {row['tokens_matched']}/{row.get('new_tokens')}"
+        if row.get("first_divergent_step") is not None:
+            margin, envelope = row.get("divergence_margin"), row.get("divergence_envelope")
+            text += (f"; first divergent step {row['first_divergent_step']}: {row.get('divergence')} "
+                     f"(reference top-2 margin {margin:.3g}, declared envelope {envelope:.3g})"
+                     if margin is not None and envelope is not None else "")
+        return text
     if label == "judged by":
         parts = [f"{row['oracle']} oracle"] if row.get("oracle") else []
         if row.get("ops_checked") is not None:

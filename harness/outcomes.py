@@ -19,7 +19,8 @@ class Outcome:
     severity: int  # for the diff gate: a higher value in the head run than in the base is "worse"
     colour: str  # report colour
     meaning: str
-    reference_side: bool = False  # the model or the CPU reference failed: says nothing about the target
+    reference_side: bool = False  # the model or the CPU reference failed, or the mode does not apply to the
+    # model: says nothing about the target
     device_side: bool = False  # the device failed, not the model: re-run elsewhere / on resume
     retryable: bool = False  # suspicious enough to re-run on another device
     ran: bool = False  # the target ran the model to the end (the "ran %" numerator)
@@ -30,6 +31,8 @@ TABLE: tuple[Outcome, ...] = (
     Outcome("load_fail", 6, "#546e7a", "the model could not be loaded or fed", reference_side=True),
     Outcome("ref_fail", 6, "#78909c", "the fp32 CPU reference raised", reference_side=True),
     Outcome("ref_nondeterministic", 6, "#90a4ae", "two fp32 CPU reference runs differ", reference_side=True),
+    Outcome("skipped", 0, "#b0bec5", "the mode does not apply to this model (generate: no generation head; the "
+            "reason is in the row)", reference_side=True),
     Outcome("device_error", 5, "#37474f", "the device failed (its backend said so); the model is re-run",
             device_side=True, retryable=True),
     Outcome("unsupported_op", 3, "#6a1b9a", "the target lacks an op (named in the row)"),

@@ -18,9 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.models.model_list import load_model_list
 from harness.report.build import build_report
 from harness.report.views import safe_name
+from harness.results.rows import ResultRow
 from harness.results.store import ResultStore
+from harness.run.runner import RunConfig, run_models
 
 pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[1]
@@ -306,3 +309,71 @@ def test_trend_page_draws_three_nights_per_setting(driver: webdriver.Chrome, tre
     assert nav.text == "Trend"
     driver.save_screenshot(str(artifacts / "report-trend.png"))
     assert (artifacts / "report-trend.png").stat().st_size > 10_000
+
+
+GENERATE_LIST = """id,source,arch,task,modality,inputs,tags,revision,trust_remote_code,atol,rtol,path
+tiny/llama/causal-lm,tiny,llama,causal-lm,text,,,,,,,
+"""
+HOSTILE_TOKEN = "<img src=x onerror=alert(7)>"
+
+
+@pytest.fixture(scope="module")
+def generate_site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """A night of two real runs (inference; generate with sim's planted cache bug on the static cache), plus a
+    generate row whose tokens and message are markup; the site with both configurations side by side."""
+    out = tmp_path_factory.mktemp("browser-generate")
+    lst, db = out / "l.csv", out / "g.db"
+    lst.write_text(GENERATE_LIST)
+    base = {"precision": "default", "ops": "young"}
+    # in-process runner, one worker: the real runs, without an interpreter start per run (the CLI's own
+    # generate options are tested in tests/test_generate.py)
+    for settings in (base, {**base, "mode": "generate", "cache": "static", "numerics": "cache-off-by-one"}):
+        summary = run_models(load_model_list(str(lst)), RunConfig(settings=settings, jobs=1, retries=0, progress=False),
+                             db, list_name="generate")
+        assert summary.unfinished == 0
+    with ResultStore(db) as st:
+        rid = st.latest_run()
+        rows = {r["model_id"]: r for r in st.results(rid).to_dict("records")}
+        llama = rows["tiny/llama/causal-lm"]
+        hostile = {k: v for k, v in llama.items() if k in ResultRow.__dataclass_fields__}
+        hostile.update(model_id="org/<b>gen</b>", error_message="<script>alert(8)</script> decoded",
+                       ref_tokens=[[HOSTILE_TOKEN, 1]], target_tokens=[[HOSTILE_TOKEN, "<b>2</b>"]],
+                       first_divergent_step=1)
+        st.record(ResultRow(**hostile))
+    build_report(db, out / "site", night=True)
+    return out / "site", llama, hostile
+
+
+def test_decoding_section_draws_steps_and_tokens_beside_inference(
+    driver: webdriver.Chrome, generate_site: tuple[Path, dict, dict], artifacts: Path
+) -> None:
+    site, llama, hostile = generate_site
+    assert llama["outcome"] == "drift" and llama["first_drift_step"] == 2
+    assert not _open(driver, site / "models" / f"{safe_name(llama['model_id'])}.html")
+    configs = driver.find_elements(By.CSS_SELECTOR, "table.configs tbody tr")
+    assert len(configs) == 2 and any("mode=generate" in r.text for r in configs)
+    row = next(r for r in configs if "mode=generate" in r.text)
+    assert f"{int(llama['tokens_matched'])}/8" in row.text and "step 2" in row.text
+    chart = driver.find_element(By.CSS_SELECTOR, "svg.steps")
+    assert chart.is_displayed() and chart.size["width"] > 300
+    declared = chart.find_elements(By.CSS_SELECTOR, "circle.point.declared")
+    assert len(declared) == 8
+    bad = [p.get_attribute("class").split() for p in declared]
+    assert ["bad" in c for c in bad][:3] == [False, False, True]  # steps 0 and 1 inside the bound, 2 beyond
+    assert chart.find_elements(By.CSS_SELECTOR, "line.drift-step")
+    strip = driver.find_element(By.CSS_SELECTOR, "table.tokens")
+    cells = strip.find_elements(By.CSS_SELECTOR, "tr:nth-child(2) td")
+    assert [c.text for c in cells] == [str(t) for t in llama["target_tokens"][0]]
+    assert llama["first_divergent_step"] == llama["tokens_matched"] == 2  # the bug flips a token where it starts
+    assert len(strip.find_elements(By.CSS_SELECTOR, "td.diverged")) >= 1
+    driver.save_screenshot(str(artifacts / "report-generate.png"))
+
+    assert not _open(driver, site / "models" / f"{safe_name(hostile['model_id'])}.html")
+    assert driver.find_element(By.ID, "model-id").text == hostile["model_id"]
+    strip = driver.find_element(By.CSS_SELECTOR, "table.tokens")
+    assert HOSTILE_TOKEN in [c.text for c in strip.find_elements(By.TAG_NAME, "td")]
+    assert strip.find_element(By.CSS_SELECTOR, "td.diverged").text == "<b>2</b>"
+    assert not strip.find_elements(By.CSS_SELECTOR, "img, b, script")
+    assert driver.find_element(By.CSS_SELECTOR, "pre.error").text.startswith("<script>")
+    with pytest.raises(NoAlertPresentException):
+        driver.switch_to.alert  # noqa: B018

@@ -74,6 +74,21 @@ def test_smoke_list_in_train_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_smoke_list_in_generate_mode(tmp_path: Path) -> None:
+    """Greedy decoding of 8 tokens per generative model at default settings, judged step by step: every
+    step inside the declared precision; the models without a generation head skipped, with the reason.
+    (The default suite decodes a few models in tests/test_generate.py.)"""
+    entries, rows = _run(tmp_path, "smoke", {"precision": "default", "ops": "young", "mode": "generate"})
+    assert len(rows) == len(entries)
+    assert {r["outcome"] for r in rows} <= {"pass", "pass_declared", "unsupported_op", "skipped"}, [
+        (r["model_id"], r["outcome"]) for r in rows if r["outcome"] not in ("pass", "pass_declared", "unsupported_op",
+                                                                            "skipped")]
+    ran = [r for r in rows if r["outcome"] in ("pass", "pass_declared")]
+    assert len(ran) >= 20 and all(r["new_tokens"] == 8 and r["tokens_matched"] is not None for r in ran)
+    assert all("generation head" in r["error_message"] for r in rows if r["outcome"] == "skipped")
+
+
+@pytest.mark.slow
 def test_full_tiny_zoo(tmp_path: Path) -> None:
     entries, rows = _run(tmp_path, "tiny-zoo", {"precision": "default", "ops": "young"})
     assert len(entries) >= 1000

@@ -99,7 +99,7 @@ class Adapter:
             )
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
-                           "mode", *self.options):
+                           "mode", "new_tokens", "cache", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         return out
 

@@ -52,10 +52,17 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                         "fp16-matmul; sim declares bf16-matmul at --precision default, fp32 at highest")
     p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
                    help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
-                        "grad-scale; comma-separated) to see the verdict catch them")
-    p.add_argument("--mode", default="inference", choices=["inference", "train"],
+                        "grad-scale, cache-off-by-one; comma-separated) to see the verdict catch them")
+    p.add_argument("--mode", default="inference", choices=["inference", "train", "generate"],
                    help="inference: one forward, outputs compared; train: one training step (loss, every gradient, "
-                        "the SGD-momentum and AdamW updates) compared")
+                        "the SGD-momentum and AdamW updates) compared; generate: greedy decoding with a KV cache, "
+                        "each step's logits compared along the reference's tokens (models that cannot generate: "
+                        "skipped)")
+    p.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                   help="--mode generate: tokens to decode (default 8)")
+    p.add_argument("--cache", default=None, choices=["dynamic", "static"],
+                   help="--mode generate: transformers' DynamicCache (default) or StaticCache (preallocated, written "
+                        "in place: the path compiled decoders use)")
     p.add_argument("--op-check", default="auto", choices=["auto", "all", "sampled", "off"],
                    help="kernel-conformance check (each op judged on its own inputs against the CPU): every call "
                         "(all), the first calls of each op signature (sampled), or none; auto = all up to 50M "
@@ -80,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared")
+    p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "
+                       "the mode does not apply to the model)")
     p.add_argument("model", help="model id: tiny/<arch>/<head>, a hub id, or a local save_pretrained dir")
     _target_options(p)
     p.add_argument("--task", default=None, choices=sorted(HEADS), metavar="TASK",

@@ -290,3 +290,63 @@ def svg_lines(
                              f"<title>{html.escape(name)} {html.escape(str(labels[i]))}: {v:.1f}{unit}</title></circle>")
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+def svg_steps(steps: Sequence[tuple[int, float | None, float | None]], *, first_drift: int | None = None,
+              width: int = 720, height: int = 220) -> Markup:
+    """Per decoding step, the logits' error over the fp32 bound and over the declared bound (log scale,
+    ratio 1 dashed); ``steps`` is (step, fp32 ratio, declared ratio or None). The first drifting step
+    is marked. Points above the bound are ``.point.bad``."""
+    values = [v for _, a, b in steps for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
+    if not values:
+        return Markup('<p class="empty">no per-step ratios recorded</p>')
+    lo = min(math.floor(math.log10(min(values))), -1)
+    hi = max(math.ceil(math.log10(max(values))), 1)
+    ml, mr, mt, mb = 44, 16, 30, 40
+    pw, ph = width - ml - mr, height - mt - mb
+    n = max(len(steps), 1)
+
+    def xpos(i: int) -> float:
+        return ml + (pw / 2 if n == 1 else i / (n - 1) * pw)
+
+    def ypos(v: float) -> float:
+        return mt + ph - (min(max(math.log10(v), lo), hi) - lo) / (hi - lo) * ph
+
+    parts = [
+        f'<svg class="steps" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}" role="img" aria-label="logits error ratio per decoding step">'
+    ]
+    for d in range(lo, hi + 1):
+        y = ypos(10.0**d)
+        parts.append(f'<line class="grid" x1="{ml}" y1="{y:.1f}" x2="{ml + pw}" y2="{y:.1f}"/>'
+                     f'<text class="label" x="{ml - 6}" y="{y + 4:.1f}" text-anchor="end">1e{d}</text>')
+    y1 = ypos(1.0)
+    parts.append(f'<line class="bound" x1="{ml}" y1="{y1:.1f}" x2="{ml + pw}" y2="{y1:.1f}"/>')
+    parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
+    for i, (k, _, _) in enumerate(steps):
+        x = xpos(i)
+        cls = "tick drift-step" if k == first_drift else "tick"
+        parts.append(f'<line class="{cls}" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 4}"/>'
+                     f'<text class="label" x="{x:.1f}" y="{mt + ph + 18}" text-anchor="middle">{int(k)}</text>')
+    if first_drift is not None and any(k == first_drift for k, _, _ in steps):
+        x = xpos([k for k, _, _ in steps].index(first_drift))
+        parts.append(f'<line class="drift-step" x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}"/>'
+                     f'<text class="label" x="{x + 4:.1f}" y="{mt + 10}">first drifting step</text>')
+    lx = ml
+    for name, cls, col in (("fp32 ratio", "fp32", 1), ("declared ratio", "declared", 2)):
+        points = [(i, s[col]) for i, s in enumerate(steps) if s[col] is not None and math.isfinite(s[col]) and s[col] > 0]
+        if not points:
+            continue
+        parts.append(f'<line class="line {cls}" x1="{lx}" y1="12" x2="{lx + 18}" y2="12"/>'
+                     f'<text class="label" x="{lx + 22}" y="16">{name}</text>')
+        lx += 40 + _label_px(name)
+        parts.append(f'<polyline class="line {cls}" points="'
+                     + " ".join(f"{xpos(i):.1f},{ypos(v):.1f}" for i, v in points) + '"/>')
+        for i, v in points:
+            bad = " bad" if v > 1 else ""
+            parts.append(f'<circle class="point {cls}{bad}" cx="{xpos(i):.1f}" cy="{ypos(v):.1f}" r="3.5">'
+                         f"<title>step {int(steps[i][0])}: {name} {v:.3g}</title></circle>")
+    parts.append(f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'
+                 "decoding step (0: the prompt's forward; from 1: through the cache)</text>")
+    parts.append("</svg>")
+    return Markup("".join(parts))

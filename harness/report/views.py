@@ -17,6 +17,7 @@ import pandas as pd
 from harness.analysis.diff import DiffResult
 from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
+from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_histogram, svg_outcome_bar
@@ -248,6 +249,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
     metrics = r.get("metrics") or {}
     outputs = [_output_view(name, m) for name, m in metrics.items()] if isinstance(metrics, dict) else []
     attempts, attempt_cols = _attempts_view(r.get("attempts"))
+    decoding = decoding_view(r)
     return {
         "config": r["config"],
         "outcome": r["outcome"],
@@ -257,7 +259,8 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "worst_ratio": fmt(r.get("rmse_ratio")),
         "grad_ratio": fmt(r.get("grad_worst_ratio")),
         "where": _text(r.get("first_drift_param")) or _text(r.get("first_drift_module"))
-        or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+        or (decoding["where"] if decoding else "") or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+        "decoding": decoding,
         "drift_module": _text(r.get("first_drift_module")),
         "drift_op": _text(r.get("first_drift_op")),
         "drift_op_module": _text(r.get("first_drift_op_module")),

@@ -63,6 +63,17 @@ class Measurement:
     grad_norm_ratio: float | None = None  # ||all gradients|| on the target / on the reference
     loss_delta: float | None = None  # target loss - reference loss
     missing_grads: list = field(default_factory=list)  # parameters with a reference gradient, none on target
+    # generate mode (settings mode=generate): per-step logits under teacher forcing, free-running tokens
+    new_tokens: int | None = None  # tokens decoded (the steps judged)
+    first_drift_step: int | None = None  # first step whose logits are beyond the bound (>= 1: the cache path);
+    # where every step's logits are inside it but a kernel is not, the step that kernel ran in
+    ref_tokens: list = field(default_factory=list)  # the reference's greedy tokens, one list per batch row
+    target_tokens: list = field(default_factory=list)  # the target's own (free-running) greedy tokens
+    tokens_matched: int | None = None  # steps at which every row's free-running token matched, before the first
+    first_divergent_step: int | None = None  # ... that did not (None: all N matched)
+    divergence_margin: float | None = None  # the reference's top-2 logit margin there
+    divergence_envelope: float | None = None  # ... what the declared precision may move it by
+    divergence: str = ""  # "near-tie" (margin within the envelope) or "bug"; "" when nothing diverged
     ops_sampled_out: int | None = None  # op calls the sampled check left unjudged (None: every call judged)
     repro_path: str = ""  # standalone repro script of the first diverging op
     max_abs_err: float | None = None
@@ -87,6 +98,17 @@ class Measurement:
     peak_rss_mb: float | None = None
     phases: dict = field(default_factory=dict)  # phase (PHASES) -> {"s": seconds, "peak_rss_mb": MB}
     oracle: str = ""  # which fp64 rule judged it: fp64-copy, fp64-streamed, none (why)
+
+
+def step_output(k: int) -> str:
+    """The `metrics` name of decoding step k's logits (generate mode)."""
+    return f"logits/step{k}"
+
+
+def output_step(name: str) -> int | None:
+    """The decoding step a `metrics` name is for (None: not a step's logits)."""
+    head, _, k = name.rpartition("/step")
+    return int(k) if head == "logits" and k.isdigit() else None
 
 
 @dataclass(kw_only=True)

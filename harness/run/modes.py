@@ -9,6 +9,11 @@ outputs are judged:
   SGD-momentum and AdamW updates, which the target is judged on as replayed on the CPU from its own
   gradients; a parameter with a gradient on the reference and none on the target is `missing_grad`;
   a drift names a parameter rather than a module.
+- ``generate``: greedy decoding of ``new_tokens`` tokens through transformers' `generate()` with a KV cache
+  (`harness.run.generate`), teacher-forced along the reference's tokens: each step's logits, judged
+  step by step; a drift names the first failing step (from step 1 on, with step 0 clean: the cache
+  path). The target's own free-running tokens are a metric (tokens matched, first divergent step, near-tie
+  or bug there). A model without a generation head is `skipped`.
 
 A new mode is one more `Mode` in `MODES` (its CLI choice comes from there).
 """
@@ -23,6 +28,7 @@ import torch
 
 from harness.models.labels import make_labels
 from harness.models.outputs import output_tensors
+from harness.run import generate
 from harness.run.compare import Tolerance, Verdict
 from harness.run.train import (
     OPTIMIZERS,
@@ -45,6 +51,14 @@ class Plan:
     inputs: dict[str, Any]  # what the step takes (the model's inputs, plus labels in train mode)
     fields: dict[str, Any] = field(default_factory=dict)  # row fields the mode decided (loss_kind)
     first: dict[str, torch.Tensor] | None = None  # the reference's first result, if deciding the step ran it
+    extra: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None  # run once more on the target alone,
+    # after the judged run (generate: free-running decoding); its result is the target side's `extra`
+    phase: Callable[[], int | None] | None = None  # where the running step is (generate: the decoding step),
+    # read by the op check when an op fails
+
+
+class Skip(Exception):
+    """The mode does not apply to this model (the message says why): its row is `skipped`."""
 
 
 @dataclass
@@ -71,6 +85,10 @@ class Mode:
     streamed_oracle = True  # the fp64 oracle may stream one op's weights at a time (real checkpoints)
     keeps_cpu_model = False  # the CPU model is needed after the target ran, so the target gets a copy
 
+    def configured(self, settings: dict[str, Any]) -> Mode:
+        """This mode with the run's settings (the mode's own options)."""
+        return self
+
     def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
         return Plan(forward, inputs)
 
@@ -81,6 +99,10 @@ class Mode:
 
     def judge(self, ref: dict, target: dict, verdict: Verdict) -> Judged:
         return Judged()
+
+    def measure(self, side: Any, target: Any, verdict: Verdict, tol: Tolerance) -> dict[str, Any]:
+        """Row fields measured beyond the verdict, from the reference side and the target side."""
+        return {}
 
     def explain(self, out: dict[str, Any], kernel: Any, verdict: Verdict, envelope: str) -> list[str]:
         """Extra sentences for a drift's message (and fields written into `out`)."""
@@ -151,7 +173,57 @@ class TrainMode(Mode):
         return []
 
 
-MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode())}
+class GenerateMode(Mode):
+    name = "generate"
+    localizes = False  # a drift names the step; module outputs of one forward would not say which
+
+    def __init__(self, new_tokens: int = generate.NEW_TOKENS, cache: str = "dynamic") -> None:
+        self.new_tokens, self.cache = new_tokens, cache
+
+    def configured(self, settings: dict[str, Any]) -> Mode:
+        return GenerateMode(int(settings.get("new_tokens", generate.NEW_TOKENS)), settings.get("cache", "dynamic"))
+
+    def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
+        """Decode greedily on the reference; the step decodes along its tokens."""
+        why = generate.not_generative(model)
+        if why:
+            raise Skip(why)
+        model.eval()
+        prompt = generate.prompt(model, inputs)
+        ref = generate.decode(model, prompt, self.new_tokens, self.cache)
+        if self.cache == "static" and not generate.uses_static_cache(ref.cache_kind):
+            raise Skip(f"--cache static: generate() decodes {type(model).__name__} with its own "
+                       f"{ref.cache_kind or 'state'}, not a StaticCache")
+        step = generate.TeacherForced(self.new_tokens, self.cache, ref.tokens)
+        return Plan(step, prompt, {"new_tokens": self.new_tokens, "ref_tokens": ref.tokens.tolist()},
+                    extra=generate.free_running(self.new_tokens, self.cache), phase=step.now)
+
+    def judge(self, ref, target, verdict):
+        return Judged(generate.step_fields({c.name: c for c in verdict.checks}))
+
+    def measure(self, side, target, verdict, tol):
+        if target.extra is None:
+            return {}
+        return generate.agreement(torch.tensor(side.plan.fields["ref_tokens"]), target.extra, side.ref, side.oracle,
+                                  side.expected, tol.floor(torch.zeros(1)), {c.name: c.ok_declared for c in verdict.checks})
+
+    def explain(self, out, kernel, verdict, envelope):
+        k = out.get("first_drift_step")
+        if k is None and kernel is not None and kernel.step is not None:
+            # every step's logits inside the envelope, a kernel beyond it: the step is the kernel's
+            k = out["first_drift_step"] = kernel.step
+            return [f"logits within the {envelope} envelope at every step; the kernel ran in {_step(k)} of "
+                    f"{out.get('new_tokens')}"]
+        if k is None:
+            return [f"logits within the {envelope} envelope at every step"] if kernel is not None else []
+        return [f"first step whose logits are beyond the bound: {_step(k)} of {out.get('new_tokens')}"]
+
+
+def _step(k: int) -> str:
+    return "step 0 (the prompt's forward)" if k == 0 else f"step {k} (step 0 clean: the cache path)"
+
+
+MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode(), GenerateMode())}
 
 
 def mode_for(settings: dict[str, Any]) -> Mode:
@@ -159,4 +231,4 @@ def mode_for(settings: dict[str, Any]) -> Mode:
     name = settings.get("mode", "inference")
     if name not in MODES:
         raise ValueError(f"--mode {name!r}: expected one of {', '.join(MODES)}")
-    return MODES[name]
+    return MODES[name].configured(settings)

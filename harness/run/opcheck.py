@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ class OpFailure:
     max_abs: float | None
     note: str
     args: Any = field(default=None, repr=False)  # CPU snapshot of (args, kwargs), for the repro
+    step: int | None = None  # where in the step it ran, as the step counts (generate: the decoding step)
     func: Any = field(default=None, repr=False)
 
 
@@ -141,6 +143,7 @@ class OpJudge(TorchDispatchMode):
         self._stack: list[str] = []
         self._hooks: list[Any] = []
         self._grad_nodes: dict[Any, str] = {}  # autograd node -> module whose forward made it
+        self.phase: Callable[[], int | None] | None = None  # the step's own count of where it is (see Plan)
 
     def name_modules(self, model: torch.nn.Module) -> None:
         """Report failures by this model's qualified module names (in backward, where no module is
@@ -299,6 +302,7 @@ class OpJudge(TorchDispatchMode):
                     op=_op_name(func), module=module, param=owner or self._nearest_param(module),
                     inputs=[_describe(x) for x in tree_flatten(snap)[0] if isinstance(x, torch.Tensor)],
                     output=f"{i}: {_describe(t)}", ratio=ratio, max_abs=_max_abs(host, e), note=note, args=snap, func=func,
+                    step=self.phase() if self.phase is not None else None,
                 )
                 return
 

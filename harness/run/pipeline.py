@@ -2,11 +2,12 @@
 target -> compare -> explain a drift (the first diverging kernel, the first drifting module).
 
 `run_one` never raises for a model's problems; it returns a `Measurement` whose outcome is the first
-stage that failed (load_fail, ref_fail, ref_nondeterministic, then the target's unsupported_op, crash,
-oom, drift) or pass. Timeouts and worker deaths are decided by the supervisor, which sees the process
-die; whose fault an exception is, is `attribution`'s call. What one step is (a forward, a training
-step) is the mode's (`modes`); the reference side and the target side are phases of their own
-(`reference`, `target`), each device phase ending with a synchronize.
+stage that failed (load_fail, ref_fail, ref_nondeterministic, skipped where the mode does not apply, then
+the target's unsupported_op, crash, oom, drift) or pass. Timeouts and worker deaths are decided by the
+supervisor, which sees the process die; whose fault an exception is, is `attribution`'s call. What one
+step is (a forward, a training step, a teacher-forced decoding) is the mode's (`modes`), and so are the
+row fields it measures beyond the verdict; the reference side and the target side are phases of their
+own (`reference`, `target`), each device phase ending with a synchronize.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
     )
     judged = mode.judge(ref, target.out, verdict)
-    out.update(judged.fields)
+    out.update(judged.fields, **mode.measure(side, target, verdict, tol))
     if judged.outcome is not None:
         out.update(outcome=judged.outcome, error_message=judged.message)
         return

@@ -4,7 +4,7 @@ under the target's declared precision contract.
 
 Nothing here depends on the target but the contract it declares, which is why this side can be computed
 once and reused (see the reference cache). A model whose reference cannot be made stops here with its
-row fields (`Stop`): ref_fail or ref_nondeterministic.
+row fields (`Stop`): ref_fail or ref_nondeterministic, or skipped where the mode does not apply to it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from harness.models.model_list import ModelEntry
 from harness.run.attribution import classify_exception
 from harness.run.compare import identical
 from harness.run.memory import PhaseClock
-from harness.run.modes import Mode, Plan
+from harness.run.modes import Mode, Plan, Skip
 from harness.run.oracle import DEFAULT_MAX_PARAMS, fp64_outputs
 
 
@@ -57,6 +57,8 @@ def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, input
             ref_s = time.perf_counter() - t0
             torch.manual_seed(seed + 1)  # a step that depends on the seed is not reproducible
             ref2 = plan.step(model, plan.inputs)
+        except Skip as e:
+            raise Stop({"outcome": "skipped", "error_message": str(e)}) from None
         except Exception as e:
             raise Stop(classify_exception(e, adapter, "reference")) from None
         if not identical(ref, ref2):

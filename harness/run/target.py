@@ -1,7 +1,8 @@
 """The target side of one model: the model on the target device, and the step run there.
 
-Three runs, each under the backend's settings and op census: a warm-up (first-call costs such as lazy
-initialisation stay out of the timing), the op check's run (every kernel judged on its own inputs
+Three runs (four where the mode asks for an extra one: generate's free-running decoding), each under the
+backend's settings and op census: a warm-up (first-call costs such as lazy initialisation stay out of
+the timing), the op check's run (every kernel judged on its own inputs
 against the CPU; after the plain run, because a dispatch mode changes some paths and the verdict on
 errors belongs to the model's own path), and the run that is judged. Each ends by synchronizing the
 device: a backend that reports a failed kernel at the next synchronizing call (as CUDA does) reports it
@@ -33,6 +34,7 @@ class TargetSide:
     seconds: float  # the judged run, synchronized
     census: OpCensus
     judge: OpJudge | None  # None when the op check was off or could not run
+    extra: Any = None  # the plan's extra run's result (None: it has none)
 
 
 def census_fields(census: OpCensus) -> dict[str, Any]:
@@ -70,15 +72,20 @@ def target_side(model: torch.nn.Module, plan: Plan, device: str, adapter: Adapte
             out = plan.step(tmodel, inputs)
             adapter.synchronize(device)  # what the device reports late is this model's
             seconds = time.perf_counter() - t0
+            extra = None
+            if plan.extra is not None:
+                extra = plan.extra(tmodel, inputs)
+                adapter.synchronize(device)
     except Exception as e:
         raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census)}) from None
-    return TargetSide(tmodel, inputs, out, seconds, census, judge)
+    return TargetSide(tmodel, inputs, out, seconds, census, judge, extra)
 
 
 def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,
                 device: str) -> OpJudge | None:
     """The op check's run; None if it could not run (the plain run decides then), unless a device
     fault stopped it: that is the device's, and stops the row."""
+    judge.phase = plan.phase
     try:
         with judge:
             plan.step(tmodel, inputs)

@@ -13,7 +13,20 @@ kind                    what the kernel does wrong                              
 ``approx-exp``          exp and rsqrt from an approximation with ~1e-3 relative error        exp, rsqrt
 ``gelu-mixup``          GELU computed with the tanh formula where erf was asked (and back)   gelu
 ``grad-scale``          LayerNorm's backward kernel scales its weight gradient by 1+1e-3    native_layer_norm_backward
+``cache-off-by-one``    from decoding step 2 on, a KV-cache write lands one slot early       index_copy_, cat
 ======================= ==================================================================== ============
+
+``cache-off-by-one`` is the decoding bug a single forward never meets. A KV-cache write is recognised by
+its shape: a 4-D float tensor (batch, heads, sequence, head dim) receiving positions along dim 2, by
+``index_copy_`` into a preallocated cache (transformers' StaticCache) or by ``cat`` onto a growing one
+(DynamicCache). Each cache is followed by its memory: a write at position 0 or of several positions (a
+prompt's), or a ``cat`` onto an empty tensor, starts it at step 0; each one-position write into it (or
+``cat`` onto the tensor its last write made, a sliding window's view of it included) is the next step.
+From step `CACHE_BUG_STEP` on, the new token's key/value overwrites the previous token's slot and its own
+slot holds zeros (what a preallocated cache holds before its first write; a growing cache gets the same
+zeros appended, so both caches end up alike). Everything else, the prompt's forward and the steps before
+`CACHE_BUG_STEP` included, is bit-identical. (Swapping the two slots would not do: attention over a set of
+key/value pairs does not see their order.)
 
 Switch: env ``PORTHARNESS_SIM_NUMERICS`` (comma-separated kinds), `set_numerics_bugs()`, or the
 `numerics_bugs()` context manager. A planted bug is a Python kernel registered for its ops on sim's
@@ -33,7 +46,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .native import ext
 
@@ -114,6 +127,46 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     return (grads[0], grads[1] * (1 + 1e-3) if grads[1] is not None else None, grads[2])
 
 
+CACHE_BUG_STEP = 2
+_steps: dict[int, int] = {}  # a cache's memory -> the decoding step of its last write
+
+
+def _memory(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()  # the device memory: host views and adopted results share it
+
+
+def _kv(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()
+
+
+def _index_copy_(self, dim, index, source):
+    if _kv(self) and _kv(source) and dim % 4 == 2 and index.numel() >= 1:
+        if int(index.min()) == 0 or index.numel() > 1:  # a sequence's first write (its prompt's, or position 0)
+            _steps[_memory(self)] = 0
+        elif _memory(self) in _steps:
+            step = _steps[_memory(self)] = _steps[_memory(self)] + 1
+            if step >= CACHE_BUG_STEP:
+                return aten.index_copy_.default(self, dim, index - 1, source)  # one slot early
+    return aten.index_copy_.default(self, dim, index, source)
+
+
+def _cat(tensors, dim=0):
+    if len(tensors) == 2 and _kv(tensors[1]) and dim % 4 == 2:
+        old, new = tensors
+        if old.numel() == 0:  # a growing cache's first write
+            out = aten.cat.default(tensors, dim)
+            _steps[_memory(out)] = 0
+            return out
+        step = _steps.pop(_memory(old), None) if _kv(old) and new.shape[2] == 1 else None
+        if step is not None and old.shape[:2] == new.shape[:2] and old.shape[3] == new.shape[3]:
+            step += 1
+            out = (aten.cat.default([old[:, :, :-1], new, torch.zeros_like(new)], 2)  # one slot early, its own zeros
+                   if step >= CACHE_BUG_STEP else aten.cat.default(tensors, dim))
+            _steps[_memory(out)] = step
+            return out
+    return aten.cat.default(tensors, dim)
+
+
 BUGS: dict[str, dict[torch._ops.OpOverload, Callable]] = {
     "bf16-accumulate": {
         aten.sum.dim_IntList: _sum,
@@ -125,6 +178,7 @@ BUGS: dict[str, dict[torch._ops.OpOverload, Callable]] = {
     "approx-exp": {aten.exp.default: _exp, aten.rsqrt.default: _rsqrt},
     "gelu-mixup": {aten.gelu.default: _gelu},
     "grad-scale": {aten.native_layer_norm_backward.default: _layer_norm_backward},
+    "cache-off-by-one": {aten.index_copy_.default: _index_copy_, aten.cat.default: _cat},
 }
 KINDS = tuple(BUGS)
 
@@ -168,10 +222,13 @@ def _op_name(func: torch._ops.OpOverload) -> str:
 
 def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
     name = _op_name(func)
+    inplace = func._schema.is_mutable
 
     def run(*args, **kwargs):
+        before = args[0].clone() if inplace else None
         out = impl(*args, **kwargs)
-        if _changed(out, func(*args, **kwargs)):  # the correct kernel, for the record only
+        right = func(before, *args[1:], **kwargs) if inplace else func(*args, **kwargs)  # for the record only
+        if _changed(out, right):
             _hits[name] = _hits.get(name, 0) + 1
         return out
 
@@ -184,13 +241,16 @@ def _device_kernel(func: torch._ops.OpOverload, impl: Callable) -> Callable:
     faults = importlib.import_module(".faults", __package__)  # `harness.sim.faults` is also a function
     name, overload = func._schema.name, func._overloadname
     run = _counted(func, impl)
+    inplace = func._schema.is_mutable
 
     def kernel(*args, **kwargs):
         ext.enter_op(name, "" if overload == "default" else overload)
-        devices = [x.device.index for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+        devices = [x.device.index for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]  # cat: a list
         idx = devices[0] if devices else ext.current_device()
         host = tree_map(lambda x: ext.host_view(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         out = run(*host[0], **host[1])
+        if inplace:  # it wrote through its first argument's host view: that tensor is the result (no fresh
+            return args[0]  # output for a fault to land in, as on the native path)
         fresh: list[torch.Tensor] = []
 
         def adopt(x):
@@ -216,7 +276,7 @@ def _register(kinds: tuple[str, ...]) -> None:
         return
     _lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for kind in kinds:
             for func, impl in BUGS[kind].items():
                 _lib.impl(func, _device_kernel(func, impl), "PrivateUse1")
