@@ -303,6 +303,7 @@ def interrupt(job: Job, device: str, why: str = "quarantine") -> None:
 
 
 NODE_LOST = "node_lost"  # an interrupted attempt's error_type when its node left the cluster
+UNREACHABLE = "unreachable"  # ... when Ray could not reach its actor (the actor is ended)
 
 
 def lose(fleet: Fleet, devices: Iterable[str], node: str) -> list[Quarantined]:

@@ -1,11 +1,13 @@
 """The node side of a run on a Ray cluster: one long-lived actor per device, a worker like worker.py's.
 
 An actor holds one device (its Ray resource), loads the backend once and runs models one by one
-through the same `run_task` as a local worker, so its rows are the same. What the driver needs to
-judge a death it did not see (which phase the model was in, which signal killed the process), the
-actor leaves where the death cannot erase it: each phase is written to a small file on its node as
-it starts, and a fatal signal's report is written next to it by `faulthandler`. When the actor dies
-under a model, the driver reads both with `autopsy`, a task on the same node.
+through the same `run_task` as a local worker, so its rows are the same; on its main thread, as a
+local worker does, so that a fatal signal the process sends itself (a driver's abort, sim's crash
+fault) stops the model where it is. Each phase a model enters is posted to the run's `PhaseBoard`
+(the driver's budget for loading differs from the rest). What the driver needs to judge a death it
+did not see, the actor leaves where the death cannot erase it: the phase is also written to a small
+file on its node, and a fatal signal's report next to it by `faulthandler`; when the actor dies under
+a model, the driver reads both with `autopsy`, a task on the same node.
 
 This module is imported on every node before the actor's constructor runs: it imports no torch.
 """
@@ -17,6 +19,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +75,37 @@ def repro_files(script: str) -> dict[str, bytes]:
     return out
 
 
+class PhaseBoard:
+    """Where the actors of a run post the phase their model entered, and the driver waits for news."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._version = 0
+        self._posts: dict[str, tuple[int, list[str]]] = {}  # actor token -> (job seq, its phases so far)
+        self._changed: dict[str, int] = {}  # actor token -> version of its last post
+
+    def post(self, token: str, seq: int, phase: str) -> None:
+        with self._cv:
+            seen = self._posts.get(token)
+            phases = seen[1] if seen is not None and seen[0] == seq else []
+            self._posts[token] = (seq, [*phases, phase])
+            self._version += 1
+            self._changed[token] = self._version
+            self._cv.notify_all()
+
+    def wait(self, version: int, wait_s: float = 5.0) -> tuple[int, dict[str, tuple[int, list[str]]]]:
+        """(the board's version, each actor's posts since `version`): as soon as there is news, else
+        after `wait_s` (a long poll)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._version > version, timeout=wait_s)
+            return self._version, {t: self._posts[t] for t, v in self._changed.items() if v > version}
+
+
 class DeviceActor:
     """One device of one node: a worker process that Ray placed, serving models until it is killed."""
 
     def __init__(self, device: str, host: str, threads: int, mem_cap_mb: int | None, env: dict[str, str],
-                 backends: list[str]) -> None:
+                 backends: list[str], board: Any, token: str) -> None:
         os.environ.update(env)  # the run's backend switches; the node's own environment stays
         # torch is imported with backend autoload off, and the backend loaded in `setup`, after the
         # environment is set: as in a local worker
@@ -103,11 +132,9 @@ class DeviceActor:
         cap_address_space(mem_cap_mb)
         self.device = device
         self.host = host
+        self._token = token
+        self._board = board
         self._run_task = worker.run_task
-        self._cv = threading.Condition()
-        self._seq = 0
-        self._phases: list[str] = []
-        self._done = True
 
     def hello(self) -> dict[str, Any]:
         import ray
@@ -116,35 +143,19 @@ class DeviceActor:
         return {"pid": os.getpid(), "hostname": socket.gethostname(), "node_id": ctx.get_node_id(),
                 "accelerators": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}}
 
-    def _phase(self, name: str) -> None:
-        os.pwrite(self._phase_fd, name.encode()[:_WIDTH].ljust(_WIDTH), 0)  # survives a crash right after
-        with self._cv:
-            self._phases.append(name)
-            self._cv.notify_all()
-
     def run(self, seq: int, payload: dict[str, Any]) -> tuple[Any, dict[str, bytes]]:
         """Job `seq`: one model, its Measurement and its repro files."""
-        with self._cv:
-            self._seq, self._phases, self._done = seq, [], False
-            self._cv.notify_all()
+        def phase(name: str) -> None:
+            os.pwrite(self._phase_fd, name.encode()[:_WIDTH].ljust(_WIDTH), 0)  # survives a crash right after
+            self._board.post.remote(self._token, seq, name)
+
         try:
-            m = self._run_task(payload, self.device, self._phase, host=self.host)
+            m = self._run_task(payload, self.device, phase, host=self.host)
+            while os.fstat(self._fatal.fileno()).st_size:  # a fatal signal is being handled: this process
+                time.sleep(1)  # is going, and its death, not this result, is the model's last word
         finally:
             os.pwrite(self._phase_fd, b" " * _WIDTH, 0)
-            with self._cv:
-                self._done = True
-                self._cv.notify_all()
         return m, repro_files(m.repro_path)
-
-    def watch(self, seq: int, seen: int, wait_s: float = 5.0) -> list[str]:
-        """The phases job `seq` entered after the first `seen`: as soon as there is one (or the job
-        ended), else after `wait_s` (a long poll: the driver's budget for loading differs)."""
-        def news() -> bool:
-            return self._seq > seq or (self._seq == seq and (self._done or len(self._phases) > seen))
-
-        with self._cv:
-            self._cv.wait_for(news, timeout=wait_s)
-            return list(self._phases[seen:]) if self._seq == seq else []
 
     def bye(self) -> None:
         """Before a deliberate kill: nothing of this actor stays on its node."""

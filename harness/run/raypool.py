@@ -8,9 +8,11 @@ a custom `sim` resource for sim: `Adapter.ray_resource`) on its slot's node, loa
 and runs models through the worker's own code (`rayactor.py`).
 
 Events: ready, result, died (the actor process died under a model: the signal and phase come from
-its node, `rayactor.autopsy`), timeout and startup (deadlines kept here, as in `Pool`: the actor is
-killed and the runner replaces it), and `lost`: the actor's node left the cluster, which says
-nothing about the model (the runner re-runs it elsewhere and takes the node's devices out).
+its node, `rayactor.autopsy`), timeout and startup (deadlines kept here, as in `Pool`, from the
+phases actors post to the run's `PhaseBoard`: the actor is killed and the runner replaces it),
+`lost` (the actor's node left the cluster) and `interrupted` (Ray could not reach the actor; it is
+ended). Neither of the last two says anything about the model: the runner re-runs it elsewhere (and
+takes a lost node's devices out of the fleet).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from harness import files
 from harness.backends import adapter_for, device_type
 from harness.run.pool import Event, ExecutorError
 
+_HEAD = {"node:__internal_head__": 0.001}  # Ray's resource that only its head node has
 RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
 CONNECT_TIMEOUT_S = 10.0
 AUTOPSY_TIMEOUT_S = 60.0
@@ -62,7 +66,7 @@ class Slot:
 
 
 _slots: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`)
-_started_here = False  # whether `connect` started a Ray instance of its own (shut down by `disconnect`)
+_stdout: Any = None  # the CLI's stdout while Ray is connected (its notices go to stderr meanwhile)
 
 
 def _reachable(address: str) -> None:
@@ -85,38 +89,40 @@ def _reachable(address: str) -> None:
 def connect(address: str | None, target: str) -> None:
     """Join the Ray cluster at `address` (auto: the one `ray start` made on this host), or start a Ray
     instance of this host alone (None) offering its devices of `target`'s type. ValueError if not."""
-    global _started_here
+    global _stdout
     ray = ray_module()
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "portharness"}
-    if address is None:
-        adapter = adapter_for(target)
-        resources = {} if adapter.ray_assigns else {adapter.ray_resource: adapter.device_count()}
-        ray.init(include_dashboard=False, resources=resources, **quiet)
-        _started_here = True
-        return
-    if address != "auto":
+    if address is not None and address != "auto":
         _reachable(address)
+    # Ray prints its nodes' notices (a worker died, ...) on the driver's stdout: the CLI's, which --json
+    # keeps for JSON alone. They go to stderr while connected; `disconnect` gives stdout back.
+    _stdout, sys.stdout = sys.stdout, sys.stderr
     try:
-        ray.init(address=address, **quiet)
+        if address is None:
+            adapter = adapter_for(target)
+            resources = {} if adapter.ray_assigns else {adapter.ray_resource: adapter.device_count()}
+            # "local": a new instance, never a cluster that happens to run on this host
+            ray.init(address="local", include_dashboard=False, resources=resources, **quiet)
+        else:
+            ray.init(address=address, **quiet)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
+        sys.stdout, _stdout = _stdout, None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--ray-address {address}: cannot join a Ray cluster there ({first[:300]}); start one "
                          "with `ray start --head` (then --ray-address auto on that host) or fix the address") from None
 
 
 def disconnect() -> None:
-    """Leave the cluster (and stop the Ray instance `connect` started, if it did)."""
-    global _started_here
-    try:
-        import ray
-    except ImportError:
-        return
-    if ray.is_initialized():
+    """Leave the cluster (stopping the Ray instance `connect` started, if it did)."""
+    global _stdout
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
-    _started_here = False
+    if _stdout is not None:
+        sys.stdout, _stdout = _stdout, None
 
 
 def _index(target: str) -> int | None:
@@ -168,21 +174,22 @@ class RayWorker:
 
     noun = "actor"
 
-    def __init__(self, actor_cls: Any, slot: Slot, args: tuple) -> None:
+    def __init__(self, actor_cls: Any, slot: Slot, args: tuple, token: str) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self.token = token  # its name on the phase board
         self.slot = slot
         self.key = slot.key
         self.host = slot.host
         self.device = slot.device
-        opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 2, "max_restarts": 0,
+        opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
                                 "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)}
         if slot.resource == "GPU":
             opts["num_gpus"] = 1
         else:
             opts["resources"] = {slot.resource: 1}
         local = f"{device_type(slot.device)}:0" if slot.assigned else slot.device
-        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args)
+        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args, token)
         self.hello: Any = self.actor.hello.remote()
         self.born = time.monotonic()
         self.ready = False
@@ -194,9 +201,8 @@ class RayWorker:
         self.killed_for: str | None = None
         self.pid = 0
         self.seq = 0
-        self.seen = 0
+        self.seen = 0  # phases of the current job heard from the board
         self.run_ref: Any = None
-        self.watch_ref: Any = None
         self.signal: int | None = None
         self.cause = ""  # what Ray or the node said about its death
         self.fatal = ""  # the fatal-signal report it left
@@ -212,7 +218,6 @@ class RayWorker:
         self.seq += 1
         self.seen = 0
         self.run_ref = self.actor.run.remote(self.seq, payload)
-        self.watch_ref = self.actor.watch.remote(self.seq, 0)
 
     def kill(self, reason: str) -> None:
         import ray
@@ -247,12 +252,16 @@ class RayPool:
                  usable: Callable[[str], bool] = lambda key: True) -> None:
         import ray
 
-        from harness.run.rayactor import DeviceActor, autopsy
+        from harness.run.rayactor import DeviceActor, PhaseBoard, autopsy
 
         self.ray = ray
         self.actor_cls = ray.remote(DeviceActor)
         self.autopsy = ray.remote(num_cpus=0, max_retries=0)(autopsy)
-        self.args = (mem_cap_mb, env, backends)
+        # on the head node: the board lives as long as the cluster does
+        self.board = ray.remote(PhaseBoard).options(num_cpus=0, max_concurrency=4, resources=_HEAD).remote()
+        self.board_version = 0
+        self.board_ref: Any = None
+        self.args = (mem_cap_mb, env, backends, self.board)
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
         self.startup_timeout_s = startup_timeout_s
@@ -274,7 +283,7 @@ class RayPool:
             self.workers.append(held)
             return held
         self.started += 1
-        w = RayWorker(self.actor_cls, _slots[key], self.args)
+        w = RayWorker(self.actor_cls, _slots[key], self.args, token=f"actor-{self.started}")
         self.workers.append(w)
         return w
 
@@ -296,11 +305,15 @@ class RayPool:
         """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
         now = time.monotonic()
         waits = [max_wait, *(self._deadline(w) - now for w in self.workers if w.busy)]
-        refs: dict[Any, tuple[RayWorker, str]] = {}
+        refs: dict[Any, tuple[RayWorker | None, str]] = {}
         for w in self.workers:
-            for kind, ref in (("hello", w.hello), ("watch", w.watch_ref), ("run", w.run_ref)):
+            for kind, ref in (("hello", w.hello), ("run", w.run_ref)):
                 if ref is not None:
                     refs[ref] = (w, kind)
+        if any(w.busy for w in self.workers):
+            if self.board_ref is None:
+                self.board_ref = self.board.wait.remote(self.board_version)
+            refs[self.board_ref] = (None, "board")
         timeout = max(0.0, min(waits))
         ready: list[Any] = []
         try:
@@ -314,10 +327,12 @@ class RayPool:
             raise ExecutorError(f"lost the Ray cluster ({str(e).splitlines()[0][:200]}); the finished rows are "
                                 "saved: rerun with --resume once it is back") from None
         events: list[Event] = []
-        order = {"hello": 0, "watch": 1, "run": 2}  # a job's phases before its result
+        order = {"hello": 0, "board": 1, "run": 2}  # a job's phases before its result
         for ref in sorted(ready, key=lambda r: order[refs[r][1]]):
             w, kind = refs[ref]
-            if w in self.workers:
+            if kind == "board":
+                self._on_board(ref)
+            elif w in self.workers:
                 events.extend(getattr(self, f"_on_{kind}")(w, ref))
         events.extend(self._deadlines())
         return events
@@ -344,23 +359,26 @@ class RayPool:
         w.ready = True
         return [Event("ready", w, info)]
 
-    def _on_watch(self, w: RayWorker, ref: Any) -> list[Event]:
-        w.watch_ref = None
+    def _on_board(self, ref: Any) -> None:
+        self.board_ref = None
         try:
-            phases = self.ray.get(ref)
-        except self.ray.exceptions.RayError:
-            return []  # the job's own reference reports the death
-        for name in phases:
-            if w.phase == "load" or not w.phase:
-                w.phase_started = time.monotonic()  # the compute budget starts when loading ends
-            w.phase = name
-            w.seen += 1
-        if w.run_ref is not None:
-            w.watch_ref = w.actor.watch.remote(w.seq, w.seen)
-        return []
+            self.board_version, posts = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            raise ExecutorError(f"lost the run's phase board on the head node ({_ray_reason(str(e))}); the finished "
+                                "rows are saved: rerun with --resume") from None
+        by_token = {w.token: w for w in self.workers}
+        for token, (seq, phases) in posts.items():
+            w = by_token.get(token)
+            if w is None or seq != w.seq or not w.busy:
+                continue
+            for name in phases[w.seen:]:
+                if w.phase == "load" or not w.phase:
+                    w.phase_started = time.monotonic()  # the compute budget starts when loading ends
+                w.phase = name
+            w.seen = len(phases)
 
     def _on_run(self, w: RayWorker, ref: Any) -> list[Event]:
-        w.run_ref = w.watch_ref = None
+        w.run_ref = None
         try:
             m, repro = self.ray.get(ref)
         except self.ray.exceptions.RayActorError as e:
@@ -391,6 +409,9 @@ class RayPool:
             return Event("died", w)
         if "node has died" in text or not self._node_alive(w):
             return Event("lost", w)
+        if isinstance(err, self.ray.exceptions.ActorUnavailableError):  # unreachable, not known dead: end it
+            w.kill("unavailable")
+            return Event("interrupted", w)
         if getattr(err, "actor_init_failed", False):
             return Event("died", w)
         if re.search(r"low on memory|memory monitor|OutOfMemory|OUT_OF_MEMORY", text):
@@ -428,6 +449,7 @@ class RayPool:
             w.stop()
         self.workers.clear()
         self.holders.clear()
+        self.ray.kill(self.board)
 
 
 def _ray_reason(text: str) -> str:

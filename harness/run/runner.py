@@ -296,11 +296,15 @@ class _Run:
         for q in policy.lose(self.fleet, self.pool.node_devices(w), w.host):
             self._quarantine(q, interrupted=policy.NODE_LOST)
         if w in self.pool.workers:  # a device of that node that was not in service
-            if w.job is not None:
-                policy.interrupt(w.job, w.key, policy.NODE_LOST)
-                self.queue.appendleft(w.job)
-                w.job = None
-            self._replace(w)
+            self._interrupted(w, policy.NODE_LOST)
+
+    def _interrupted(self, w: Worker, why: str) -> None:
+        """`w` went away for reasons of its own (its node, the network): its model runs again, elsewhere."""
+        if w.job is not None:
+            policy.interrupt(w.job, w.key, why)
+            self.queue.appendleft(w.job)
+            w.job = None
+        self._replace(w)
 
     def _settle(self, w: Worker, m: Measurement, phase: str = "") -> None:
         job: policy.Job = w.job
@@ -425,6 +429,9 @@ class _Run:
         if ev.kind == "lost":
             self._lost(w)
             return
+        if ev.kind == "interrupted":
+            self._interrupted(w, policy.UNREACHABLE)
+            return
         if ev.kind in ("died", "startup") and not w.ready:
             self.startup_failures += 1
             if self.startup_failures >= 3:
@@ -443,7 +450,7 @@ class _Run:
         while (self.queue and self.fleet.active) or any(w.busy for w in self.pool.workers):
             self._assign()
             for ev in self.pool.poll():
-                if ev.worker in self.pool.workers or ev.kind not in ("died", "lost"):
+                if ev.worker in self.pool.workers or ev.kind not in ("died", "lost", "interrupted"):
                     self._on(ev)
 
     def run(self) -> RunSummary:
