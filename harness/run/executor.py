@@ -58,4 +58,4 @@ def death(w: Any, timeout_s: float, load_timeout_s: float) -> Measurement:
     name = signal.Signals(sig).name if sig else f"exit code {code}" if code is not None else w.cause or "no exit status"
     return Measurement(**where, outcome="crash", error_type="WorkerDied", signal=sig,
                        exit_code=None if sig else code, error_message=f"{w.noun} process on {w.key} died: {name}",
-                       traceback=getattr(w, "fatal", "")[-4000:])
+                       traceback=getattr(w, "fatal", "")[:4000])  # its head: the signal, the crashing thread
