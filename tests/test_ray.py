@@ -123,12 +123,20 @@ def test_a_list_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, c
     d = cli("diff", "--base-db", str(local), "--head-db", str(far))
     assert d.returncode == 0, d.stdout + d.stderr
     assert f"unchanged={len(SMOKE)}" in d.stdout and "regressions=0" in d.stdout, d.stdout
-    # a target no node offers: one line naming the resource and how to declare it; nothing written
-    before = count_rows(far)
-    r = cli(*run_args(lst, far, cluster, "--target", "cpu"))
+
+
+@pytest.mark.slow
+def test_a_target_no_node_offers_is_one_line_and_touches_nothing(tmp_path: Path, cluster: Cluster) -> None:
+    lst = tmp_path / "one.csv"
+    lst.write_text(LIST_HEADER + list_rows(SMOKE[:1]))
+    db = tmp_path / "r.db"
+    r = cli(*run_args(lst, db, cluster))
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = [(x["model_id"], x["outcome"], x["finished_at"]) for x in rows(db)]
+    r = cli(*run_args(lst, db, cluster, "--target", "cpu"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no node of the Ray cluster" in r.stderr and "'cpu' resource" in r.stderr and "--resources" in r.stderr
-    assert count_rows(far) == before
+    assert [(x["model_id"], x["outcome"], x["finished_at"]) for x in rows(db)] == before
 
 
 def _slow_models(tmp_path: Path, patho, n: int, seconds: int) -> str:
