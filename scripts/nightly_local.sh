@@ -28,7 +28,10 @@
 #   PREV_DB=PATH       previous night's merged DB: adds the diff page and gates on regressions
 #   PARALLEL=1         run every (setting, shard) concurrently (default: one after another)
 #   LIMIT=N            only the first N models of each shard (quick checks)
-#   JOBS=N             worker processes per shard (default: CPUs, divided by the concurrent shards when PARALLEL=1)
+#   JOBS=N             worker processes per shard (default: CPUs, divided by the concurrent shards when PARALLEL=1;
+#                      with RAY_ADDRESS: one actor per device of the cluster)
+#   RAY_ADDRESS=ADDR   run on a Ray cluster (portharness run --executor ray --ray-address ADDR: auto, HOST:PORT or
+#                      ray://HOST:PORT), one actor per device of every node; use SHARDS=1 (the cluster spreads the list)
 #   FLAKY_ALLOWLIST=F  known-flaky model ids, not counted as regressions by the diff
 #   PORTHARNESS="..."  the CLI to call (default: portharness, or python -m harness.cli)
 # exit status: 0 ok; 1 a regression (baseline check or diff vs PREV_DB) or a failed shard; 2 bad input.
@@ -81,6 +84,8 @@ SHARD_IDS=()
 if [[ -n "$SHARD_ONLY" ]]; then SHARD_IDS=("$SHARD_ONLY"); else mapfile -t SHARD_IDS < <(seq 1 "$SHARDS"); fi
 
 CPUS="$(nproc 2>/dev/null || echo 2)"
+RAY_ADDRESS="${RAY_ADDRESS:-}"
+JOBS_GIVEN="${JOBS:-}"
 if [[ -z "${JOBS:-}" ]]; then
   if [[ "$PARALLEL" == "1" ]]; then JOBS=$(( CPUS / (${#SHARD_IDS[@]} * ${#SETTING_LINES[@]}) )); else JOBS="$CPUS"; fi
   (( JOBS >= 1 )) || JOBS=1
@@ -107,8 +112,13 @@ run_shard() {
   read -r -a settings <<< "${SETTING_LINES[$((k - 1))]}"
   db="$(shard_db "$k" "$i")"
   rm -f "$db" "$db-wal" "$db-shm"
-  local args=(run --list "$LIST" --target "$TARGET" "${settings[@]}" --shard "$i/$SHARDS" --db "$db"
-              --jobs "$JOBS" --quiet)
+  local args=(run --list "$LIST" --target "$TARGET" "${settings[@]}" --shard "$i/$SHARDS" --db "$db" --quiet)
+  if [[ -n "$RAY_ADDRESS" ]]; then
+    args+=(--executor ray --ray-address "$RAY_ADDRESS")
+    if [[ -n "$JOBS_GIVEN" ]]; then args+=(--jobs "$JOBS_GIVEN"); fi
+  else
+    args+=(--jobs "$JOBS")
+  fi
   if [[ -n "$BACKEND" ]]; then args+=(--backend "$BACKEND"); fi
   if [[ -n "$LIMIT" ]]; then args+=(--limit "$LIMIT"); fi
   if [[ -n "$RERUN_FLAKY" ]]; then args+=(--rerun-flaky "$RERUN_FLAKY"); fi

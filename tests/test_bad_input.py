@@ -361,6 +361,30 @@ def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path) -> None
     assert r.returncode == 2 and "--seed -1" in one_line(r.stderr) and r.stdout == "", r.stderr[-2000:]
 
 
+def test_ray_executor_bad_input_is_one_line(tmp_path: Path) -> None:
+    """Ray missing, an address that answers nothing or is no address, an address without the Ray executor:
+    one line each, exit 2, nothing written (no Ray cluster needed)."""
+    import importlib.util
+
+    lst = a_list(tmp_path, PAIRS[:1])
+    db = tmp_path / "r.db"
+    unfinished_run(db, lst, [])
+    before = digest(db)
+    no_ray = tmp_path / "no-ray" / "ray"
+    no_ray.mkdir(parents=True)
+    (no_ray / "__init__.py").write_text("raise ImportError(\"No module named 'ray'\")\n")
+    cases = [(["--ray-address", "auto"], {}, "--ray-address auto: needs --executor ray"),
+             (["--executor", "ray"], {"PYTHONPATH": str(no_ray.parent)},
+              "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'")]
+    if importlib.util.find_spec("ray") is not None:
+        cases += [(["--executor", "ray", "--ray-address", "127.0.0.1:1"], {}, "--ray-address 127.0.0.1:1: nothing answers"),
+                  (["--executor", "ray", "--ray-address", "head-node"], {}, "expected auto, HOST:PORT or ray://HOST:PORT")]
+    for bad, env, message in cases:
+        r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, *bad, "--quiet", env=env, timeout=120)
+        assert r.returncode == 2 and message in one_line(r.stderr), (bad, r.stderr[-2000:])
+        assert digest(db) == before, bad
+
+
 def test_collectives_ranges_and_the_machine_s_size(tmp_path: Path) -> None:
     r = cli("collectives", "--timeout", "0", "--no-ddp", "--sizes", "4k", "--repeats", "1")
     assert r.returncode == 2 and "timeout must be > 0 seconds" in one_line(r.stderr), r.stderr[-2000:]

@@ -36,6 +36,23 @@ def test_pick_device_balances_workers_then_prefers_the_first() -> None:
     assert policy.pick_device(Fleet([]), Counter()) is None
 
 
+def test_pick_device_never_fills_a_device_beyond_its_capacity() -> None:
+    """One Ray actor per device: a new worker goes to a device without one, or nowhere."""
+    f = fleet(2)
+    assert policy.pick_device(f, Counter({"d0": 1}), cap=1) == "d1"
+    assert policy.pick_device(f, Counter({"d0": 1, "d1": 1}), cap=1) is None
+    assert policy.pick_device(f, Counter({"d0": 1, "d1": 1})) == "d0"  # local workers may share a device
+    probe = Job("a", probe="d0")
+    assert policy.pick_device(f, Counter({"d0": 1}), [probe], cap=1) == "d1"  # d0 has its worker for the probe
+
+
+def test_biggest_first_where_sizes_are_known_then_list_order() -> None:
+    sizes = {"small": 1e6, "big": 7e9, "mid": 1.1e8}
+    assert policy.biggest_first(["u1", "small", "u2", "big", "mid", "u3"], sizes) == [
+        "big", "mid", "small", "u1", "u2", "u3"]
+    assert policy.biggest_first(["b", "a"], {}) == ["b", "a"]
+
+
 def test_ready_to_assign_waits_for_the_pool_or_the_grace_period() -> None:
     assert not policy.ready_to_assign(False, 1.0, grace_s=60)
     assert policy.ready_to_assign(True, 0.0, grace_s=60)
@@ -227,6 +244,7 @@ EVIDENCE = {  # shorthand -> (measurement, phase where the worker died, "" for a
     "segv": (m("crash", error_type="WorkerDied", signal=11), "target"),
     "hang": (m("timeout", error_type="Timeout", signal=9), "target"),
     "segv-in-reference": (m("crash", error_type="WorkerDied", signal=11), "reference"),
+    # "lost": the model was running on the device when its node left the cluster (no measurement)
 }
 
 
@@ -287,6 +305,15 @@ TABLE = [
     ("a raised crash then unsupported_op on another device: not a clean run, no strike", 2, 0, 1, 1,
      [("a", "d0", "raised", "retry"), ("a", "d1", "unsupported", "=unsupported_op")],
      ([], {"a": "unsupported_op"})),
+    ("a node leaves mid-run (Ray): no strike, its device out, the spare in, the model runs elsewhere outside "
+     "--retries", 2, 1, 2, 0,
+     [("a", "d0", "pass", "=pass"), ("x", "d1", "lost", "q:d1+d2"), ("x", "d0", "pass", "=pass"),
+      ("y", "d2", "pass", "=pass")],
+     (["d1"], {"a": "pass", "x": "pass", "y": "pass"})),
+    ("a node that killed a model before it left: that death is re-opened, not the model's", 2, 0, 2, 0,
+     [("b", "d1", "pass", "=pass"), ("x", "d1", "segv", "=crash"), ("c", "d1", "lost", "q:d1 reopen:x"),
+      ("x", "d0", "pass", "=pass"), ("c", "d0", "pass", "=pass")],
+     (["d1"], {"b": "pass", "x": "pass", "c": "pass"})),
     ("device faults strike at once; the model waits, pending, when no device is left", 1, 0, 2, 1,
      [("a", "d0", "fault", "=device_error pending"), ("b", "d0", "fault", "=device_error pending q:d0")],
      (["d0"], {"a": "device_error", "b": "device_error"})),
@@ -303,8 +330,12 @@ def test_attribution_table(case) -> None:
     for model, device, what, expected in steps:
         job = probes.pop(device) if model == "probe" else jobs.setdefault(model, Job(model))
         assert model == "probe" or policy.pick_job(f, device, [job]) is job, (model, device, "not runnable there")
-        measured, phase = EVIDENCE[what]
-        v = policy.settle(f, job, measured, device, 1.0, phase, others_waiting=True)
+        if what == "lost":  # the runner: interrupt what ran there, take the node's devices out
+            policy.interrupt(job, device, policy.NODE_LOST)
+            v = policy.Settled(quarantined=policy.lose(f, [device], "node"))
+        else:
+            measured, phase = EVIDENCE[what]
+            v = policy.settle(f, job, measured, device, 1.0, phase, others_waiting=True)
         assert verdict_text(v) == expected, (model, device, what)
         probes.update((p.probe, p) for p in v.probes)
         if v.outcome:
@@ -323,6 +354,16 @@ def test_a_deferred_death_is_recorded_at_once_when_nothing_else_could_vouch_for_
     f = fleet(1, retries=0)
     v = policy.settle(f, Job("x"), EVIDENCE["segv"][0], "d0", 1.0, EVIDENCE["segv"][1])
     assert v.outcome == "crash"  # `check` on one model that segfaults: its crash, at once
+
+
+def test_a_lost_node_takes_its_spares_along_and_leaves_no_strike() -> None:
+    f = Fleet(*policy.split_devices(["a/d0", "b/d0", "b/d1"], 1), retries=0)
+    policy.settle(f, Job("x"), EVIDENCE["segv"][0], "b/d0", 1.0, "target", others_waiting=True)
+    assert f.count("b/d0") == 1  # a provisional strike: x joined b/d0's streak
+    [q] = policy.lose(f, ["b/d0", "b/d1"], "b")
+    assert (q.device, q.spare, q.why) == ("b/d0", None, "its node b left the cluster")
+    assert f.active == ["a/d0"] and f.spares == [] and not f.strikes and "b/d0" not in f.deaths
+    assert policy.lose(f, ["b/d0", "b/d1"], "b") == []  # told twice (each of its actors reports it): once
 
 
 def test_never_worked() -> None:

@@ -22,6 +22,9 @@ from harness.backends.contracts import contract
 
 # --precision values every backend accepts: torch's float32 matmul precision knob
 MATMUL_PRECISIONS = ("default", "highest", "high", "medium")
+# Device types Ray knows as accelerators: it counts them on each node, assigns one to an actor and makes
+# only that one visible to it (CUDA_VISIBLE_DEVICES, ...). Any other type is a custom resource of its name.
+RAY_ACCELERATORS = {"cuda": "GPU", "xpu": "GPU", "hpu": "HPU", "npu": "NPU", "xla": "TPU", "neuron": "neuron_cores"}
 
 
 @dataclass
@@ -50,6 +53,18 @@ class Adapter:
         """Make the device type usable in this process (import/register the backend). Idempotent."""
 
     more_devices_hint = ""  # how to get more devices, for the out-of-range message
+
+    @property
+    def ray_resource(self) -> str:
+        """The Ray resource one device of this type is: Ray's own accelerator resource where it has one
+        (GPU, TPU, ...), else a custom resource named after the device type that each host declares
+        (`ray start --resources '{"sim": 2}'`)."""
+        return RAY_ACCELERATORS.get(self.kind, self.kind)
+
+    @property
+    def ray_assigns(self) -> bool:
+        """Whether Ray picks the device an actor gets and shows it only that one (as `<type>:0`)."""
+        return self.ray_resource != self.kind
 
     def device_count(self) -> int:
         """From the backend's device module (`torch.get_device_module`), as every PyTorch user asks it."""

@@ -101,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a model list on a target, recording every outcome")
     p.add_argument("--list", default="tiny-zoo", help="model list name (model_lists/NAME.csv) or path")
     _target_options(p)
-    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default: one per CPU core); with --executor ray: actors (default: one "
+                        "per device of the cluster)")
+    p.add_argument("--executor", default="local", choices=["local", "ray"],
+                   help="local: worker processes on this host (default); ray: one actor per device of every node of "
+                        "a Ray cluster (pip install 'portharness[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --executor ray: auto (the cluster `ray start` made on this host), HOST:PORT (its "
+                        "head), ray://HOST:PORT (Ray Client); default: a Ray instance of this host alone")
     p.add_argument("--shard", default="1/1", help="run shard i of N (i/N)")
     p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
     p.add_argument("--resume", action="store_true", help="continue the latest unfinished matching run")

@@ -21,7 +21,13 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     if args.oracle_max_params is not None and args.oracle_max_params < 0:
         raise ValueError(f"--oracle-max-params {args.oracle_max_params}: must be >= 0 (0: no fp64 oracle for any model)")
     modules = load_backends_guarded(args.backend, args.backend_timeout)
-    adapter, _ = resolve_target(args.target)
+    if getattr(args, "executor", "local") == "ray":  # the driver needs no device: the cluster's nodes have them
+        from harness.backends import adapter_for
+
+        adapter = adapter_for(args.target)
+        adapter.load()
+    else:
+        adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
     for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params"):
         if getattr(args, key) is not None:
@@ -123,10 +129,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         entries = entries[: args.limit]
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
-    config = _run_config(args, jobs=args.jobs, retries=args.retries, spare=args.spare,
+    if args.ray_address is not None and args.executor != "ray":
+        raise ValueError(f"--ray-address {args.ray_address}: needs --executor ray")
+    if args.executor == "ray":
+        from harness.run.raypool import ray_module
+
+        ray_module()  # Ray missing: say so before anything else
+    jobs = args.jobs if args.jobs is not None else 0 if args.executor == "ray" else max(1, os.cpu_count() or 1)
+    config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
-                         rerun_flaky=args.rerun_flaky)
-    plan(config)  # devices, spares, ranges: before a line is printed or a file touched
+                         rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
+    fleet = plan(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
     # or a new file we can create) and --report can be written: checked before the banner and any write
     check_writable(args.db)
@@ -141,8 +154,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         raise output_error(args.db, e) from None
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
-          f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, {args.jobs} worker(s) -> {args.db}",
-          file=sys.stderr)
+          f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
+          + (f"{jobs or len(fleet.active)} Ray actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
+             if args.executor == "ray" else f"{jobs} worker(s)") + f" -> {args.db}", file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv))

@@ -39,6 +39,8 @@ SOURCES = ("tiny", "hub", "local")
 DEFAULT_LISTS = ("tiny-zoo", "smoke", "hub-top")
 _TRUE = {"true", "1", "yes", "y"}
 _FALSE = {"false", "0", "no", "n", ""}
+_SIZE_TAG = re.compile(r"(\d+(?:\.\d+)?)([KkMBT])")  # a parameter-count tag: 110M, 2.9B
+_SIZE_UNITS = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
@@ -90,6 +92,15 @@ class ModelEntry:
             "rtol": "" if self.rtol is None else repr(self.rtol),
             "path": self.path or "",
         }
+
+    @property
+    def params(self) -> float | None:
+        """Its parameter count when a tag gives it (`110M`, `2.9B`, `7B`); None when unknown."""
+        for tag in self.tags:
+            m = _SIZE_TAG.fullmatch(tag)
+            if m:
+                return float(m[1]) * _SIZE_UNITS[m[2].upper()]
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

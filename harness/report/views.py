@@ -173,7 +173,7 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 # ----------------------------------------------------------------------------------------------
 
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
-_FIELDS = ("arch", "task", "modality", "device", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
+_FIELDS = ("arch", "task", "modality", "device", "host", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
            "signal", "loss_kind", "first_drift_param")
 _NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine", "grad_worst_ratio",
             "grad_norm_ratio", "loss_delta")

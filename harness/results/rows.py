@@ -43,6 +43,7 @@ class Measurement:
     model_id: str
     outcome: str
     device: str = ""
+    host: str = ""  # the machine whose device it ran on (a Ray run spans hosts; the runs table has the driver's)
     unsupported_op: str = ""
     unsupported_dtype: str = ""  # when the backend's message names one ("supports float32 only, got Long")
     error_type: str = ""

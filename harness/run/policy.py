@@ -43,6 +43,13 @@ The attribution rule (`settle`), one row per kind of evidence from one attempt o
   --quarantine-after                    | counts and D has a canary,   | D first (D takes nothing else):|
                                         | probe first                  | survives -> streak revoked;    |
                                         |                              | dies -> quarantine             |
+  D's node left the cluster (Ray: the   | no strike: every device of   | another device, outside        | nothing (an `interrupted`
+  node died or was removed; its actors  | that node leaves the fleet   | --retries, like a quarantine's | attempt, `node_lost`)
+  with it)                              | (`lose`; a spare comes in)   | interruption                   |
+
+A Ray actor is a worker: its death (segfault, OOM kill) or timeout is the same evidence as a worker
+process's, on the device it holds. Devices are named per node (`host/sim:0`), so strikes, streaks and
+quarantine are per node and device: one node's sick chip does not stop the others of its type.
 
 On quarantine (`quarantine`) a hot spare, if one is held back, takes D's place; models recorded flaky
 only because of D get their clean result (`Quarantined.relabel`); models whose recorded result was a
@@ -60,9 +67,11 @@ Worked cases (tests/test_policy.py has them as a table):
 - three devices, `--spare 1`, sim:0 and sim:1 killing (or hanging) every model: different models die
   on each, nothing survives there, no canary: both are quarantined, the spare comes in, the victims'
   attempts there stop counting and they run on sim:2, whose results are recorded;
-- scheduling: a suspicious failure's first device is *cordoned* until the re-run (it takes only
-  retries, `pick_job`); a job goes back to a device it failed on only when every active device is one;
-  a new or idle worker goes where the waiting work can run (`pick_device`, `idle_move`);
+- scheduling: models are handed out one at a time as workers free up, biggest first where a size is
+  known (`biggest_first`); a suspicious failure's first device is *cordoned* until the re-run (it
+  takes only retries, `pick_job`); a job goes back to a device it failed on only when every active
+  device is one; a new or idle worker goes where the waiting work can run (`pick_device`, `idle_move`),
+  never beyond a device's capacity (one Ray actor per device);
 - `--rerun-flaky N`: a model whose attempts disagreed is sampled N more times after the run and is
   `flaky` only if the samples really flip between a matched and a failing outcome (`needs_rerun`,
   `rerun_verdict`).
@@ -186,18 +195,27 @@ def _usable(fleet: Fleet, job: Job, device: str, load: Counter[str] | None = Non
         load is None or not load[device])
 
 
-def pick_device(fleet: Fleet, load: Counter[str], queue: Iterable[Job] = ()) -> str | None:
+def pick_device(fleet: Fleet, load: Counter[str], queue: Iterable[Job] = (), cap: int | None = None) -> str | None:
     """The device for a new worker: a waiting probe's, else the fewest workers, preferring one the
-    first waiting job can use (ties: the earliest)."""
-    if not fleet.active:
+    first waiting job can use (ties: the earliest). `cap`: workers a device can hold (None: any
+    number); None when every active device is full."""
+    free = [d for d in fleet.active if cap is None or load[d] < cap]
+    if not free:
         return None
     queue = list(queue)
     for job in queue:
-        if job.probe in fleet.active and not load[job.probe]:
+        if job.probe in free and not load[job.probe]:
             return job.probe
     head = next((j for j in queue if not j.probe), None)
-    return min(fleet.active, key=lambda d: (load[d], head is not None and not _usable(fleet, head, d),
-                                            fleet.active.index(d)))
+    return min(free, key=lambda d: (load[d], head is not None and not _usable(fleet, head, d),
+                                    fleet.active.index(d)))
+
+
+def biggest_first(ids: Sequence[str], sizes: dict[str, float | None]) -> list[str]:
+    """The order to hand models out in: those of known size biggest first (a big model started last
+    would keep one device busy long after the others ran dry), then the rest in list order."""
+    known = sorted((i for i in ids if sizes.get(i)), key=lambda i: -float(sizes[i] or 0))
+    return known + [i for i in ids if not sizes.get(i)]
 
 
 def idle_move(fleet: Fleet, queue: Iterable[Job], load: Counter[str]) -> str | None:
@@ -232,10 +250,11 @@ def pick_job(fleet: Fleet, device: str, queue: Iterable[Job]) -> Job | None:
     return None
 
 
-def quarantine(fleet: Fleet, device: str, canary_died: bool = False) -> Quarantined:
-    """Take `device` out of service; bring in a hot spare if one is held back."""
+def quarantine(fleet: Fleet, device: str, canary_died: bool = False, why: str = "") -> Quarantined:
+    """Take `device` out of service; bring in a hot spare if one is held back. `why`: the evidence in
+    words, when it is not the device's strikes (its node left the cluster)."""
     streak = [j.id for j in fleet.deaths.get(device, [])]
-    why = ", ".join(
+    why = why or ", ".join(
         ([f"{fleet.strikes[device]} strike(s) (device faults, models that ran cleanly elsewhere)"]
          if fleet.strikes[device] else [])
         + ([f"{len(streak)} different model(s) whose worker died there with none surviving in between "
@@ -276,10 +295,26 @@ def strike(fleet: Fleet, device: str) -> Quarantined | None:
     return out.quarantined[0] if out.quarantined else None
 
 
-def interrupt(job: Job, device: str) -> None:
-    """`job` was running on `device` when the device was quarantined: it must run elsewhere."""
-    job.attempts.append(Attempt(device=device, outcome="interrupted", error_type="quarantine"))
+def interrupt(job: Job, device: str, why: str = "quarantine") -> None:
+    """`job` was running on `device` when the device was quarantined (or its node was lost): it must
+    run elsewhere, and this attempt measured nothing of the model."""
+    job.attempts.append(Attempt(device=device, outcome="interrupted", error_type=why))
     job.avoid.add(device)
+
+
+NODE_LOST = "node_lost"  # an interrupted attempt's error_type when its node left the cluster
+UNREACHABLE = "unreachable"  # ... when Ray could not reach its actor (the actor is ended)
+
+
+def lose(fleet: Fleet, devices: Iterable[str], node: str) -> list[Quarantined]:
+    """`node` left the cluster with `devices`: none of them is in service any more. Not evidence
+    against anything that ran there (no strike); held-back spares on it are gone too, active ones
+    are quarantined so that a spare elsewhere takes their place."""
+    gone = [d for d in devices if d in fleet.active or d in fleet.spares]
+    fleet.spares[:] = [d for d in fleet.spares if d not in gone]
+    for d in gone:
+        fleet.deaths.pop(d, None)  # a streak on a node that died is not the models'
+    return [quarantine(fleet, d, why=f"its node {node} left the cluster") for d in gone if d in fleet.active]
 
 
 def own(job: Job, quarantined: Iterable[str] = ()) -> list[Attempt]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -46,11 +47,21 @@ def context(preload: Iterable[str] = PRELOAD) -> Any:
     return ctx
 
 
+class ExecutorError(RuntimeError):
+    """Workers cannot run at all (they cannot start, the cluster is gone): an environment problem, not
+    a model's. The run stops; it is resumable."""
+
+
 class Worker:
     """One child process serving jobs over a pipe, pinned to `key` (a device, or any label)."""
 
+    noun = "worker"
+
     def __init__(self, ctx: Any, key: str, target: Callable[..., None], args: tuple) -> None:
         self.key = key
+        self.device = key
+        self.host = socket.gethostname()
+        self.cause = ""  # what is known about its death beyond the exit status (Ray actors: the node's word)
         parent, child = ctx.Pipe()
         self.conn = parent
         self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
@@ -110,6 +121,8 @@ class Event:
 class Pool:
     """Workers for `target(conn, *args_for(key))`; `poll` turns their lives into events."""
 
+    per_device: int | None = None  # workers a device may hold (any number: they share it)
+
     def __init__(
         self,
         ctx: Any,
@@ -129,10 +142,12 @@ class Pool:
         self.startup_timeout_s = startup_timeout_s
         self.load_timeout_s = load_timeout_s
         self.workers: list[Worker] = []
+        self.started = 0  # workers started, replacements included
 
     def spawn(self, key: str) -> Worker:
         w = Worker(self.ctx, key, self.target, self.args_for(key))
         self.workers.append(w)
+        self.started += 1
         return w
 
     def retire(self, w: Worker) -> None:

@@ -1,6 +1,7 @@
 """Run a model list on a target: the glue between the pool, the policy and the store.
 
-Every model runs in a long-lived worker pinned to one device (`worker.py`, started by `pool.py`).
+Every model runs in a long-lived worker pinned to one device (`worker.py`, started by `pool.py`; with
+`executor="ray"`, one Ray actor per device of a cluster, `raypool.py`: the same events, the same policy).
 What happens to it (a result, a death, a timeout) becomes a measurement; `policy.py` decides whether
 to retry it elsewhere, strike or quarantine a device, or record the outcome; the store commits each
 finished row before the next is handed out, so after a `kill -9` of the whole run, `resume=True`
@@ -9,9 +10,7 @@ finishes the remaining models and loses nothing.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 from collections import Counter, deque
@@ -26,9 +25,13 @@ from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run import policy
 from harness.run.attribution import CAP_TOO_SMALL
+from harness.run.executor import death as _death
+from harness.run.executor import make_pool
 from harness.run.pipeline import Task
-from harness.run.pool import PRELOAD, Event, Pool, Worker, context
-from harness.run.worker import WORKER_IMPORTS, task_payload, worker_main
+from harness.run.pool import Event, ExecutorError, Worker
+from harness.run.worker import task_payload
+
+EXECUTORS = ("local", "ray")
 
 
 @dataclass
@@ -37,7 +40,7 @@ class RunConfig:
 
     target: str = "sim"
     settings: dict[str, Any] = field(default_factory=lambda: {"precision": "default", "ops": "young"})
-    jobs: int = 1
+    jobs: int = 1  # workers; 0 with the ray executor: one actor per device of the cluster
     timeout_s: float = 300.0  # per model, from the end of its loading
     load_timeout_s: float = 900.0  # loading's own budget
     retries: int = 1  # extra attempts per model for suspicious failures
@@ -53,12 +56,17 @@ class RunConfig:
     progress: bool = True
     fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
     rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
+    executor: str = "local"  # local: worker processes on this host; ray: one actor per device of a Ray cluster
+    ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
 
 
     def validate(self) -> None:
         """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
         checks = [
-            (self.jobs >= 1, f"--jobs {self.jobs}: need at least 1 worker"),
+            (self.executor in EXECUTORS, f"--executor {self.executor!r}: expected one of {', '.join(EXECUTORS)}"),
+            (self.ray_address is None or self.executor == "ray", "--ray-address needs --executor ray"),
+            (self.jobs >= 1 or (self.jobs == 0 and self.executor == "ray"),
+             f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
             (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),
             (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
@@ -91,6 +99,7 @@ class RunSummary:
     reruns: dict[str, int] = field(default_factory=dict)  # --rerun-flaky: models re-run, found flaky, stable
     run_counts: dict[str, int] = field(default_factory=dict)  # outcome -> rows of the whole run (resumes too)
     never_worked: str = ""  # why the target never ran a model, when it did not
+    workers_started: int = 0  # worker processes (Ray: actors) started, replacements included
 
     @property
     def rows_written(self) -> int:
@@ -123,43 +132,37 @@ def run_models(
 
     Everything that can be wrong with the configuration or the target is found before the DB is opened,
     so bad input leaves it as it was."""
-    fleet = plan(config)
-    shard(entries, shard_spec)  # validates the spec
-    store = ResultStore(db_path)
     try:
-        return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv).run()
+        fleet = plan(config)
+        shard(entries, shard_spec)  # validates the spec
+        store = ResultStore(db_path)
+        try:
+            return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv).run()
+        finally:
+            store.close()
     finally:
-        store.close()
+        if config.executor == "ray":
+            from harness.run import raypool
+
+            raypool.disconnect()
 
 
 def plan(config: RunConfig) -> policy.Fleet:
-    """Check the configuration and the target (ValueError saying what is wrong); the devices to use."""
+    """Check the configuration and the target (ValueError saying what is wrong); the devices to use:
+    this host's, or every node's of a Ray cluster (named `<node>/<device>`)."""
     config.validate()
     load_backends(config.backends)
-    _adapter, found = resolve_target(config.target)
+    if config.executor == "ray":
+        from harness.run import raypool
+
+        found = raypool.devices(config.target, config.ray_address)
+    else:
+        _adapter, found = resolve_target(config.target)
     return policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
                         quarantine_after=config.quarantine_after, retries=config.retries)
 
 
-def _death(w: Worker, cfg: RunConfig) -> Measurement:
-    """The measurement of a job whose worker died or was killed under it."""
-    code, sig = w.death()
-    mid = w.job.id if w.job is not None else ""
-    if w.killed_for == "timeout":
-        loading = w.phase in ("", "load")
-        why = (f"still loading after {cfg.load_timeout_s:.0f}s (--load-timeout)" if loading
-               else f"no result {cfg.timeout_s:.0f}s after loading (--timeout, in phase {w.phase})")
-        return Measurement(model_id=mid, device=w.key, outcome="timeout", error_type="Timeout", signal=sig,
-                           error_message=f"{why} on {w.key}; worker killed")
-    if sig == signal.SIGKILL:
-        return Measurement(model_id=mid, device=w.key, outcome="oom", error_type="WorkerKilled", signal=sig,
-                           error_message=f"worker on {w.key} was SIGKILLed (likely the OOM killer)")
-    name = signal.Signals(sig).name if sig else f"exit code {code}"
-    return Measurement(model_id=mid, device=w.key, outcome="crash", error_type="WorkerDied", signal=sig,
-                       exit_code=None if sig else code, error_message=f"worker process on {w.key} died: {name}")
-
-
-class WorkerStartupError(RuntimeError):
+class WorkerStartupError(ExecutorError):
     """Workers cannot start at all (an environment problem, not a model's): the run stops, resumable."""
 
 
@@ -184,24 +187,16 @@ class _Run:
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
-        self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
+        sizes = {e.id: e.params or (1.0 if "slow" in e.tags else None) for e in entries}  # `slow`: a time hint
+        todo = policy.biggest_first([e.id for e in entries if e.id not in done], sizes)
+        self.queue: deque[policy.Job] = deque(policy.Job(i) for i in todo)
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
-        threads = max(1, (os.cpu_count() or 1) // max(1, config.jobs))
-        worker_env = adapter.worker_env(settings)
-        # One `check` forks its worker from this process, which has imported torch and transformers
-        # already (a forkserver would import them a second time); a run starts a forkserver, so that no
-        # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
-        fork_here = config.fork_workers and not worker_env
-        self.pool = Pool(
-            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker", *WORKER_IMPORTS]),
-            worker_main,
-            # the forkserver's environment is from whenever it started; workers get today's
-            lambda device: (device, threads, config.mem_cap_mb, {**os.environ, **worker_env}, config.backends),
-            timeout_s=config.timeout_s,
-            startup_timeout_s=config.startup_timeout_s,
-            load_timeout_s=config.load_timeout_s,
-        )
+        self.jobs = config.jobs or len(fleet.active)  # ray, jobs 0: one actor per device
+        self.pool = make_pool(config.executor, jobs=self.jobs, worker_env=adapter.worker_env(settings),
+                              mem_cap_mb=config.mem_cap_mb, backends=config.backends, timeout_s=config.timeout_s,
+                              load_timeout_s=config.load_timeout_s, startup_timeout_s=config.startup_timeout_s,
+                              fork_workers=config.fork_workers, usable=lambda key: key in self.fleet.active)
         self.startup_failures = 0
         self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
         self.samples: dict[policy.Job, str] = {}  # --rerun-flaky sample job -> the model it samples
@@ -222,13 +217,13 @@ class _Run:
         return Counter(w.key for w in self.pool.workers)
 
     def _spawn(self) -> None:
-        dev = policy.pick_device(self.fleet, self._load(), self.queue)
+        dev = policy.pick_device(self.fleet, self._load(), self.queue, cap=self.pool.per_device)
         if dev is not None:
             self.pool.spawn(dev)
 
     def _replace(self, w: Worker) -> None:
         self.pool.retire(w)
-        if len(self.pool.workers) < self.cfg.jobs and (self.queue or any(x.busy for x in self.pool.workers)):
+        if len(self.pool.workers) < self.jobs and (self.queue or any(x.busy for x in self.pool.workers)):
             self._spawn()
 
     # -- recording ---------------------------------------------------------------------------
@@ -258,7 +253,7 @@ class _Run:
         if m.fallback_ops:
             self.with_fallback[outcome] += n
 
-    def _quarantine(self, q: policy.Quarantined) -> None:
+    def _quarantine(self, q: policy.Quarantined, interrupted: str = "quarantine") -> None:
         self.progress.write(f"portharness: quarantining {q.device}: {q.why}", file=sys.stderr)
         if q.spare:
             self.progress.write(f"portharness: bringing in hot spare {q.spare}", file=sys.stderr)
@@ -266,7 +261,7 @@ class _Run:
             job = w.job
             w.kill("quarantine")
             if job is not None:
-                policy.interrupt(job, q.device)
+                policy.interrupt(job, q.device, interrupted)
                 self.queue.appendleft(job)
             w.job = None
             self._replace(w)
@@ -294,6 +289,22 @@ class _Run:
         if not self.fleet.active:
             self.progress.write("portharness: every device is quarantined; stopping (resume later with --resume)",
                                 file=sys.stderr)
+
+    def _lost(self, w: Worker) -> None:
+        """`w`'s node left the cluster: its devices leave the fleet, and what ran there runs elsewhere
+        (nothing it did there was the models' doing)."""
+        for q in policy.lose(self.fleet, self.pool.node_devices(w), w.host):
+            self._quarantine(q, interrupted=policy.NODE_LOST)
+        if w in self.pool.workers:  # a device of that node that was not in service
+            self._interrupted(w, policy.NODE_LOST)
+
+    def _interrupted(self, w: Worker, why: str) -> None:
+        """`w` went away for reasons of its own (its node, the network): its model runs again, elsewhere."""
+        if w.job is not None:
+            policy.interrupt(w.job, w.key, why)
+            self.queue.appendleft(w.job)
+            w.job = None
+        self._replace(w)
 
     def _settle(self, w: Worker, m: Measurement, phase: str = "") -> None:
         job: policy.Job = w.job
@@ -403,7 +414,7 @@ class _Run:
                 self._send(idle[0], job)
 
     def _send(self, w: Worker, job: policy.Job) -> None:
-        task = Task(entry=asdict(self.entries[job.id]), target=w.key, settings=dict(self.cfg.settings),
+        task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends))
         w.send(job, task_payload(task))
@@ -415,35 +426,41 @@ class _Run:
             return
         if ev.kind == "ready":
             return
+        if ev.kind == "lost":
+            self._lost(w)
+            return
+        if ev.kind == "interrupted":
+            self._interrupted(w, policy.UNREACHABLE)
+            return
         if ev.kind in ("died", "startup") and not w.ready:
             self.startup_failures += 1
             if self.startup_failures >= 3:
                 code, sig = w.death()
                 why = (f"were not ready within {self.cfg.startup_timeout_s:.0f}s" if ev.kind == "startup"
-                       else f"keep dying at start-up (exit code {code}, signal {sig})")
+                       else f"keep dying at start-up ({w.cause or f'exit code {code}, signal {sig}'})")
                 raise WorkerStartupError(
-                    f"worker processes for {w.key} {why}; the run is resumable. Run `portharness check` on one "
-                    "model to see the error"
+                    f"{'worker processes' if w.noun == 'worker' else 'Ray actors'} for {w.key} {why}; the run is "
+                    "resumable. Run `portharness check` on one model to see the error"
                 )
         if w.busy:
-            self._settle(w, _death(w, self.cfg), phase=w.phase or "start")
+            self._settle(w, _death(w, self.cfg.timeout_s, self.cfg.load_timeout_s), phase=w.phase or "start")
         self._replace(w)
 
     def _drain(self) -> None:
         while (self.queue and self.fleet.active) or any(w.busy for w in self.pool.workers):
             self._assign()
             for ev in self.pool.poll():
-                if ev.worker in self.pool.workers or ev.kind != "died":
+                if ev.worker in self.pool.workers or ev.kind not in ("died", "lost", "interrupted"):
                     self._on(ev)
 
     def run(self) -> RunSummary:
         t0 = time.monotonic()
         try:
-            for _ in range(min(self.cfg.jobs, max(1, len(self.queue)))):
+            for _ in range(min(self.jobs, max(1, len(self.queue)))):
                 self._spawn()
             self._drain()
             if self.cfg.rerun_flaky > 0 and self.fleet.active and self._queue_reruns():
-                while len(self.pool.workers) < min(self.cfg.jobs, len(self.queue)):
+                while len(self.pool.workers) < min(self.jobs, len(self.queue)):
                     self._spawn()
                 self._drain()
             for mid in list(self.sampled):  # no healthy device left for every sample: decide on those done
@@ -471,6 +488,7 @@ class _Run:
             reruns=dict(self.rerun_stats),
             run_counts={str(k): int(v) for k, v in self.store.results(self.run_id)["outcome"].value_counts().items()},
             never_worked=self._never_worked(),
+            workers_started=self.pool.started,
         )
 
     def _never_worked(self) -> str:

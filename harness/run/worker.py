@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -37,8 +38,10 @@ def task_payload(task: Task) -> dict[str, Any]:
 WORKER_IMPORTS = ("transformers.modeling_utils", "harness.run.pipeline")
 
 
-def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] | None = None) -> Measurement:
-    """One model on this worker's device; a harness bug becomes a crash row, never a dead worker."""
+def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] | None = None,
+             host: str = "") -> Measurement:
+    """One model on this worker's device (on `host`: default this machine's name); a harness bug
+    becomes a crash row, never a dead worker."""
     task = Task(**payload)
     task.target = device
     model_id = task.entry["id"]
@@ -50,11 +53,13 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
             phase(name)
 
     try:
-        return run_one(task, on_phase)
+        m = run_one(task, on_phase)
     except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
         fields = classify_exception(e, stage=current[0])
-        return Measurement(model_id=model_id, device=device,
-                           **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+        m = Measurement(model_id=model_id, device=device,
+                        **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+    m.host = host or socket.gethostname()
+    return m
 
 
 def preload() -> None:
@@ -77,6 +82,14 @@ def worker_main(
     os.dup2(2, 1)
     os.environ.clear()
     os.environ.update(env)
+    setup(device, threads, backends)
+    cap_address_space(mem_cap_mb)
+    serve(conn, lambda payload, phase: run_task(payload, device, phase))
+
+
+def setup(device: str, threads: int, backends: list[str]) -> None:
+    """Make this process a worker for `device`, once its environment is set: torch's threads, quiet
+    libraries, the target's backend, and what every model needs (a Ray actor does the same)."""
     torch.set_num_threads(max(1, threads))
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
@@ -91,5 +104,3 @@ def worker_main(
     load_backends(backends, entry_points=True)
     adapter_for(device).load()
     preload()
-    cap_address_space(mem_cap_mb)
-    serve(conn, lambda payload, phase: run_task(payload, device, phase))

@@ -1,0 +1,461 @@
+"""The pool of `pool.py` on a Ray cluster: one long-lived actor per device, the same events.
+
+`RayPool` has `Pool`'s interface (spawn, retire, poll, close; workers with key, ready, busy, job,
+phase), so `runner._Run` and `policy` are one implementation for both executors. Each device of each
+node is a *slot*, named `<node>/<device>` (`gpu-host-3/cuda:5`, `10.0.0.7/sim:1`): strikes and
+quarantine are per node and device. An actor asks Ray for its device as a resource (`GPU` for cuda,
+a custom `sim` resource for sim: `Adapter.ray_resource`) on its slot's node, loads the backend once
+and runs models through the worker's own code (`rayactor.py`).
+
+Events: ready, result, died (the actor process died under a model: the signal and phase come from
+its node, `rayactor.autopsy`), timeout and startup (deadlines kept here, as in `Pool`, from the
+phases actors post to the run's `PhaseBoard`: the actor is killed and the runner replaces it),
+`lost` (the actor's node left the cluster) and `interrupted` (Ray could not reach the actor; it is
+ended). Neither of the last two says anything about the model: the runner re-runs it elsewhere (and
+takes a lost node's devices out of the fleet).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from harness import files
+from harness.backends import adapter_for, device_type
+from harness.run.pool import Event, ExecutorError
+
+_HEAD = {"node:__internal_head__": 0.001}  # Ray's resource that only its head node has
+RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
+CONNECT_TIMEOUT_S = 10.0
+AUTOPSY_TIMEOUT_S = 60.0
+# faulthandler's words for the fatal signals it reports
+_FATAL = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
+          "Floating-point exception": signal.SIGFPE, "Floating point exception": signal.SIGFPE,
+          "Illegal instruction": signal.SIGILL}
+
+
+def ray_module() -> Any:
+    """Ray, or a ValueError saying how to get it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError(f"{RAY_MISSING} ({e})") from None
+    return ray
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One device of one node."""
+
+    key: str  # the fleet's name for it: "<node>/<device>"
+    node_id: str
+    host: str  # the node's name in rows: its host name (plus its node id where hosts run several)
+    device: str  # the device as the node's backend names it (Ray-assigned ones: by Ray's chip id)
+    resource: str  # the Ray resource it is
+    assigned: bool  # Ray picks the chip (its own accelerator resources); the actor then sees `<type>:0`
+    threads: int  # torch threads for its actor: the node's CPUs shared among its devices
+
+
+_slots: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`)
+_stdout: Any = None  # the CLI's stdout while Ray is connected (its notices go to stderr meanwhile)
+
+
+def _reachable(address: str) -> None:
+    """A bounded check that something listens at `address` (HOST:PORT or ray://HOST:PORT): Ray itself
+    waits minutes for an address that never answers."""
+    parts = urlsplit(address if "://" in address else f"//{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        raise ValueError(f"--ray-address {address!r}: expected auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the cluster "
+                         "(`ray start --head` on its head node) or fix the address") from None
+
+
+def connect(address: str | None, target: str) -> None:
+    """Join the Ray cluster at `address` (auto: the one `ray start` made on this host), or start a Ray
+    instance of this host alone (None) offering its devices of `target`'s type. ValueError if not."""
+    global _stdout
+    ray = ray_module()
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "portharness"}
+    if address is not None and address != "auto":
+        _reachable(address)
+    # Ray prints its nodes' notices (a worker died, ...) on the driver's stdout: the CLI's, which --json
+    # keeps for JSON alone. They go to stderr while connected; `disconnect` gives stdout back.
+    _stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        if address is None:
+            adapter = adapter_for(target)
+            resources = {} if adapter.ray_assigns else {adapter.ray_resource: adapter.device_count()}
+            # "local": a new instance, never a cluster that happens to run on this host
+            ray.init(address="local", include_dashboard=False, resources=resources, **quiet)
+        else:
+            ray.init(address=address, **quiet)
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
+        sys.stdout, _stdout = _stdout, None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--ray-address {address}: cannot join a Ray cluster there ({first[:300]}); start one "
+                         "with `ray start --head` (then --ray-address auto on that host) or fix the address") from None
+
+
+def disconnect() -> None:
+    """Leave the cluster (stopping the Ray instance `connect` started, if it did)."""
+    global _stdout
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    if _stdout is not None:
+        sys.stdout, _stdout = _stdout, None
+
+
+def _index(target: str) -> int | None:
+    _, _, idx = target.partition(":")
+    if not idx:
+        return None
+    if not idx.isdigit():
+        raise ValueError(f"--target {target!r}: expected a device type, or type:index (sim, sim:1, cuda:0)")
+    return int(idx)
+
+
+def devices(target: str, address: str | None) -> list[str]:
+    """The slots the cluster offers for `target` (every node's devices of its type; `sim:1`: device 1 of
+    each node), as fleet keys. ValueError when no node offers one."""
+    connect(address, target)
+    import ray
+
+    adapter = adapter_for(target)
+    kind, resource, want = device_type(target), adapter.ray_resource, _index(target)
+    nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
+                   key=lambda n: (n.get("NodeManagerHostname", ""), n["NodeID"]))
+    names = [n.get("NodeManagerHostname") or n.get("NodeManagerAddress", "") for n in nodes]
+    found: dict[str, Slot] = {}
+    for node, name in zip(nodes, names, strict=True):
+        label = name if names.count(name) == 1 else f"{name}-{node['NodeID'][:6]}"
+        count = int(node["Resources"].get(resource, 0))
+        threads = max(1, int(node["Resources"].get("CPU", 1)) // max(1, count))
+        for i in range(count):
+            if want is not None and i != want:
+                continue
+            slot = Slot(key=f"{label}/{kind}:{i}", node_id=node["NodeID"], host=label, device=f"{kind}:{i}",
+                        resource=resource, assigned=adapter.ray_assigns, threads=threads)
+            found[slot.key] = slot
+    if not found:
+        where = "the local Ray instance" if address is None else f"the Ray cluster at {address}"
+        offered = sorted({r for n in nodes for r in n["Resources"]
+                          if not r.startswith(("node:", "memory", "object_store"))})
+        declare = ("(Ray counts them itself on hosts that have them)" if adapter.ray_assigns else
+                   f"(declare it on each host: ray start ... --resources '{{\"{resource}\": N}}')")
+        raise ValueError(f"--target {target}: no node of {where} offers the '{resource}' resource {declare}; "
+                         f"its nodes offer: {', '.join(offered) or 'nothing'}")
+    _slots.clear()
+    _slots.update(found)
+    return list(found)
+
+
+class RayWorker:
+    """One actor serving one slot; the runner sees it as it sees a local worker."""
+
+    noun = "actor"
+
+    def __init__(self, actor_cls: Any, slot: Slot, args: tuple, token: str) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.token = token  # its name on the phase board
+        self.slot = slot
+        self.key = slot.key
+        self.host = slot.host
+        self.device = slot.device
+        opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
+                                "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)}
+        if slot.resource == "GPU":
+            opts["num_gpus"] = 1
+        else:
+            opts["resources"] = {slot.resource: 1}
+        local = f"{device_type(slot.device)}:0" if slot.assigned else slot.device
+        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args, token)
+        self.hello: Any = self.actor.hello.remote()
+        self.born = time.monotonic()
+        self.ready = False
+        self.job: Any = None
+        self.started = 0.0
+        self.phase = ""
+        self.phase_started = 0.0
+        self.done = 0
+        self.killed_for: str | None = None
+        self.pid = 0
+        self.seq = 0
+        self.seen = 0  # phases of the current job heard from the board
+        self.run_ref: Any = None
+        self.signal: int | None = None
+        self.cause = ""  # what Ray or the node said about its death
+        self.fatal = ""  # the fatal-signal report it left
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def send(self, job: Any, payload: Any) -> None:
+        self.job = job
+        self.started = self.phase_started = time.monotonic()
+        self.phase = ""
+        self.seq += 1
+        self.seen = 0
+        self.run_ref = self.actor.run.remote(self.seq, payload)
+
+    def kill(self, reason: str) -> None:
+        import ray
+
+        self.killed_for = reason
+        self.signal = signal.SIGKILL  # `ray.kill` ends the process at once, as a local worker is killed
+        ray.kill(self.actor, no_restart=True)
+
+    def stop(self) -> None:
+        """Let it clean up after itself, then end it."""
+        import ray
+
+        if self.ready and not self.killed_for:
+            try:
+                ray.get(self.actor.bye.remote(), timeout=5)
+            except Exception:  # dead or stuck: it is killed all the same
+                pass
+        self.kill(self.killed_for or "stop")
+
+    def death(self) -> tuple[int | None, int | None]:
+        """(exit code, signal) of a dead actor, as far as its node told (the exit code it never does)."""
+        return None, self.signal
+
+
+class RayPool:
+    """Actors for the cluster's slots; `poll` turns their lives into `pool.Event`s."""
+
+    per_device = 1  # Ray hands a device to one actor at a time
+
+    def __init__(self, *, mem_cap_mb: int | None, env: dict[str, str], backends: list[str], timeout_s: float,
+                 load_timeout_s: float | None = None, startup_timeout_s: float | None = None,
+                 usable: Callable[[str], bool] = lambda key: True) -> None:
+        import ray
+
+        from harness.run.rayactor import DeviceActor, PhaseBoard, autopsy
+
+        self.ray = ray
+        self.actor_cls = ray.remote(DeviceActor)
+        self.autopsy = ray.remote(num_cpus=0, max_retries=0)(autopsy)
+        # on the head node: the board lives as long as the cluster does
+        self.board = ray.remote(PhaseBoard).options(num_cpus=0, max_concurrency=4, resources=_HEAD).remote()
+        self.board_version = 0
+        self.board_ref: Any = None
+        self.args = (mem_cap_mb, env, backends, self.board)
+        self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.usable = usable
+        self.workers: list[RayWorker] = []
+        self.holders: dict[str, RayWorker] = {}  # Ray-assigned chips no worker may use (quarantined, spares)
+        self.started = 0  # actors started, replacements included
+
+    def slot(self, key: str) -> Slot:
+        return _slots[key]
+
+    def node_devices(self, w: RayWorker) -> list[str]:
+        """Every slot of `w`'s node."""
+        return [k for k, s in _slots.items() if s.node_id == w.slot.node_id]
+
+    def spawn(self, key: str) -> RayWorker:
+        held = self.holders.pop(key, None)
+        if held is not None:  # a spare coming in: the actor pinning its chip becomes its worker
+            self.workers.append(held)
+            return held
+        self.started += 1
+        w = RayWorker(self.actor_cls, _slots[key], self.args, token=f"actor-{self.started}")
+        self.workers.append(w)
+        return w
+
+    def retire(self, w: RayWorker) -> None:
+        """Forget a worker; its actor is ended (a retired worker never comes back)."""
+        if w in self.workers:
+            self.workers.remove(w)
+        if w.killed_for is None:
+            w.kill("retired")
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _deadline(self, w: RayWorker) -> float:
+        if self.load_timeout_s is not None and w.phase in ("", "load"):
+            return w.started + max(self.load_timeout_s, 0.0)
+        return w.phase_started + self.timeout_s
+
+    def poll(self, max_wait: float = 1.0) -> list[Event]:
+        """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
+        now = time.monotonic()
+        waits = [max_wait, *(self._deadline(w) - now for w in self.workers if w.busy)]
+        refs: dict[Any, tuple[RayWorker | None, str]] = {}
+        for w in self.workers:
+            for kind, ref in (("hello", w.hello), ("run", w.run_ref)):
+                if ref is not None:
+                    refs[ref] = (w, kind)
+        if any(w.busy for w in self.workers):
+            if self.board_ref is None:
+                self.board_ref = self.board.wait.remote(self.board_version)
+            refs[self.board_ref] = (None, "board")
+        timeout = max(0.0, min(waits))
+        ready: list[Any] = []
+        try:
+            if refs:
+                ready, _ = self.ray.wait(list(refs), num_returns=1, timeout=timeout)
+                if ready:
+                    ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            else:
+                time.sleep(timeout)
+        except self.ray.exceptions.RaySystemError as e:
+            raise ExecutorError(f"lost the Ray cluster ({str(e).splitlines()[0][:200]}); the finished rows are "
+                                "saved: rerun with --resume once it is back") from None
+        events: list[Event] = []
+        order = {"hello": 0, "board": 1, "run": 2}  # a job's phases before its result
+        for ref in sorted(ready, key=lambda r: order[refs[r][1]]):
+            w, kind = refs[ref]
+            if kind == "board":
+                self._on_board(ref)
+            elif w in self.workers:
+                events.extend(getattr(self, f"_on_{kind}")(w, ref))
+        events.extend(self._deadlines())
+        return events
+
+    def _on_hello(self, w: RayWorker, ref: Any) -> list[Event]:
+        w.hello = None
+        try:
+            info = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            return [self._dead(w, e)]
+        w.pid = info["pid"]
+        chips = info["accelerators"].get(w.slot.resource, [])
+        if w.slot.assigned and chips:  # Ray picked the chip: the worker is that chip's
+            actual = f"{w.host}/{device_type(w.slot.device)}:{chips[0]}"
+            if actual != w.key and actual in _slots:
+                wanted = w.key
+                w.key, w.slot, w.device = actual, _slots[actual], _slots[actual].device
+                if not self.usable(actual):  # a chip out of service (quarantined, a spare): pin it, ask again
+                    w.ready = True
+                    self.workers.remove(w)
+                    self.holders[actual] = w
+                    self.spawn(wanted)
+                    return []
+        w.ready = True
+        return [Event("ready", w, info)]
+
+    def _on_board(self, ref: Any) -> None:
+        self.board_ref = None
+        try:
+            self.board_version, posts = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            raise ExecutorError(f"lost the run's phase board on the head node ({_ray_reason(str(e))}); the finished "
+                                "rows are saved: rerun with --resume") from None
+        by_token = {w.token: w for w in self.workers}
+        for token, (seq, phases) in posts.items():
+            w = by_token.get(token)
+            if w is None or seq != w.seq or not w.busy:
+                continue
+            for name in phases[w.seen:]:
+                if w.phase == "load" or not w.phase:
+                    w.phase_started = time.monotonic()  # the compute budget starts when loading ends
+                w.phase = name
+            w.seen = len(phases)
+
+    def _on_run(self, w: RayWorker, ref: Any) -> list[Event]:
+        w.run_ref = None
+        try:
+            m, repro = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as e:
+            return [self._dead(w, e)]
+        except self.ray.exceptions.RayError as e:  # the reply itself failed (it could not be unpickled, ...)
+            w.kill("harness")
+            w.cause = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+            return [Event("died", w)]
+        m.device = w.device  # a Ray-assigned chip is `<type>:0` to its actor
+        for path, data in repro.items():
+            if not os.path.exists(path):  # the driver keeps a node's repro (same file on a shared disk)
+                files.write_bytes(path, data)
+        w.done += 1
+        return [Event("result", w, m)]
+
+    def _node_alive(self, w: RayWorker) -> bool:
+        try:
+            return any(n["NodeID"] == w.slot.node_id and n.get("Alive") for n in self.ray.nodes())
+        except Exception:
+            return False
+
+    def _dead(self, w: RayWorker, err: Exception) -> Event:
+        """The event for an actor Ray reports dead: its node gone, its constructor failed, or the
+        process died (the signal and the phase read back from its node)."""
+        text = str(err)
+        w.cause = _ray_reason(text)
+        if w.killed_for:
+            return Event("died", w)
+        if "node has died" in text or not self._node_alive(w):
+            return Event("lost", w)
+        if isinstance(err, self.ray.exceptions.ActorUnavailableError):  # unreachable, not known dead: end it
+            w.kill("unavailable")
+            return Event("interrupted", w)
+        if getattr(err, "actor_init_failed", False):
+            return Event("died", w)
+        if re.search(r"low on memory|memory monitor|OutOfMemory|OUT_OF_MEMORY", text):
+            w.signal = signal.SIGKILL
+            w.cause = "killed by Ray's memory monitor (the node ran low on memory)"
+            return Event("died", w)
+        if w.pid:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            try:
+                phase, w.fatal = self.ray.get(self.autopsy.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(w.slot.node_id, soft=False)).remote(w.pid),
+                    timeout=AUTOPSY_TIMEOUT_S)
+            except Exception:  # the node went while we asked
+                return Event("lost", w) if not self._node_alive(w) else Event("died", w)
+            if w.busy and phase:
+                w.phase = phase  # where the model really was (the driver's view may lag by a message)
+            w.signal = next((s for words, s in _FATAL.items() if f"Fatal Python error: {words}" in w.fatal), None)
+        return Event("died", w)
+
+    def _deadlines(self) -> list[Event]:
+        now = time.monotonic()
+        events = []
+        for w in list(self.workers):
+            if w.busy and now > self._deadline(w):
+                w.kill("timeout")
+                events.append(Event("timeout", w))
+            elif not w.ready and self.startup_timeout_s and now - w.born > self.startup_timeout_s:
+                w.kill("startup")
+                events.append(Event("startup", w))
+        return events
+
+    def close(self) -> None:
+        for w in [*self.workers, *self.holders.values()]:
+            w.stop()
+        self.workers.clear()
+        self.holders.clear()
+        self.ray.kill(self.board)
+
+
+def _ray_reason(text: str) -> str:
+    """The line of Ray's actor-death message that says why."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    why = next((ln for ln in lines if ln.startswith(("The actor is dead", "The actor died because"))), "")
+    if not why:
+        why = lines[-1] if lines else ""
+    return why.split(" Some common causes")[0][:300]
