@@ -10,7 +10,9 @@ outputs are judged:
   gradients; a parameter with a gradient on the reference and none on the target is `missing_grad`;
   a drift names a parameter rather than a module.
 
-A new mode is one more `Mode` in `MODES` (its CLI choice comes from there).
+A new mode is one more `Mode` in `MODES` (its CLI choice comes from there). What its `plan` decides goes
+into `Plan.fields` (JSON-able row fields); the reference cache keeps them, and `rebuild` makes the same
+step from them without running it. A mode whose `plan` runs the step to decide overrides `rebuild`.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ class Mode:
     def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
         return Plan(forward, inputs)
 
+    def rebuild(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int,
+                fields: dict[str, Any]) -> Plan:
+        """The plan `plan` made, from the decisions it recorded (`fields`), for a reference side that comes
+        from the cache: the model is prepared as `plan` prepares it, and nothing is run."""
+        return replace(self.plan(model, loaded, entry, inputs, seed), first=None)
+
     def before_compare(self, model: torch.nn.Module, ref: dict, target: dict, oracle: dict | None,
                        expected: dict | None, tol: Tolerance) -> tuple[dict, dict | None, dict | None, Tolerance]:
         """(reference, oracle, expected, tolerance) as the comparison should see them."""
@@ -108,11 +116,17 @@ class TrainMode(Mode):
             except Exception as e:
                 why = f"the head's loss failed: {type(e).__name__}: {str(e)[:200]}"
             else:
-                return Plan(lambda m, x: train_step(m, x, model_loss=True, seed=seed), with_labels,
-                            {"loss_kind": "model"}, first)
+                return _train_plan(with_labels, {"loss_kind": "model"}, seed, first)
         first = train_step(model, inputs, model_loss=False, seed=seed)
-        return Plan(lambda m, x: train_step(m, x, model_loss=False, seed=seed), inputs,
-                    {"loss_kind": f"reduction ({why})"}, first)
+        return _train_plan(inputs, {"loss_kind": f"reduction ({why})"}, seed, first)
+
+    def rebuild(self, model, loaded, entry, inputs, seed, fields):
+        """The loss `plan` chose (its `loss_kind`), without trying the head's loss again."""
+        prepare(model)
+        if fields.get("loss_kind") == "model":
+            labels = make_labels(model, loaded.config, entry.task, inputs, seed=seed)
+            return _train_plan({**inputs, **labels}, fields, seed)
+        return _train_plan(inputs, fields, seed)
 
     def before_compare(self, model, ref, target, oracle, expected, tol):
         """The optimizers judged on the target's own gradients (see harness.run.train)."""
@@ -149,6 +163,12 @@ class TrainMode(Mode):
             return [f"gradients within the {envelope} envelope; the drifting kernel has no parameter of its own "
                     f"or of its module's, the gradient it moved most: {out['first_drift_param']}"]
         return []
+
+
+def _train_plan(inputs: dict[str, Any], fields: dict[str, Any], seed: int,
+                first: dict[str, torch.Tensor] | None = None) -> Plan:
+    model_loss = fields.get("loss_kind") == "model"
+    return Plan(lambda m, x: train_step(m, x, model_loss=model_loss, seed=seed), inputs, dict(fields), first)
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode())}
