@@ -106,19 +106,30 @@ def _read_memo(path: Path | None) -> str | None:
 
 
 def values_digest(values: dict[str, Any]) -> str:
-    """Digest of named values: each tensor's dtype, shape and bytes; anything else by its repr."""
+    """Digest of named values: each tensor's dtype, shape and bytes (in lists, tuples and dicts too);
+    anything else by its repr."""
     h = hashlib.sha256()
-    for name in sorted(values):
-        v = values[name]
-        h.update(name.encode() + b"\0")
-        if isinstance(v, torch.Tensor):
-            t = v.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(v).encode())
-        h.update(b"\0")
+    _update(h, values)
     return h.hexdigest()
+
+
+def _update(h: Any, v: Any) -> None:
+    if isinstance(v, torch.Tensor):
+        t = v.detach().to("cpu").contiguous()
+        h.update(f"tensor {t.dtype}{tuple(t.shape)}:".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(v, dict):
+        h.update(f"dict {len(v)}:".encode())
+        for k in sorted(v, key=str):
+            h.update(f"{k!r}=".encode())
+            _update(h, v[k])
+    elif isinstance(v, list | tuple):
+        h.update(f"{type(v).__name__} {len(v)}:".encode())
+        for x in v:
+            _update(h, x)
+    else:
+        h.update(repr(v).encode())
+    h.update(b";")
 
 
 def config_digest(config: Any) -> str:
