@@ -1,15 +1,20 @@
 """The reference cache: its key, its entries under truncation, concurrent writers and kill -9, and cold
-against warm runs of real models through the real CLI (verdicts identical, reference phases skipped)."""
+against warm runs of real models through the real pipeline (verdicts identical, reference phases skipped).
+
+The default suite drives the store and the pipeline in this process (writers and killed writers are real
+processes forked from it); the same guarantees through the CLI, a list in train mode over shard DBs and a
+real run killed mid-write are `-m slow`."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -17,10 +22,12 @@ import torch
 from conftest import LIST_HEADER, list_rows
 
 from harness.backends import adapter_for
+from harness.cli import main as cli_main
 from harness.models.inputs import make_inputs
 from harness.models.load import load_model
 from harness.models.model_list import find_entry
 from harness.run import refkey
+from harness.run.pipeline import Task, run_one
 from harness.run.refcache import RefCache, prune, scan
 from harness.run.refkey import NoKey, components, key_of
 
@@ -180,18 +187,77 @@ def test_a_corrupt_entry_is_removed_and_never_trusted(tmp_path: Path) -> None:
                                           "match its checksum); removed")
 
 
-_WRITER = """
-import sys, time, torch
-from pathlib import Path
-from harness.run.refcache import RefCache
-root, go, ready = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-tensors = {{"ref/x": torch.arange({n}, dtype=torch.float32), "oracle/x": torch.arange({n}, dtype=torch.float64)}}
-ready.touch()
-deadline = time.time() + 120
-while not go.exists() and time.time() < deadline:
-    time.sleep(0.005)
-print(RefCache(root).put("cd" * 32, tensors, {{"writer": ready.name}}, {{}}))
-"""
+def test_a_truncated_entry_is_removed_and_recomputed(tmp_path: Path) -> None:
+    cache = RefCache(tmp_path / "c")
+    assert cache.put("ef" * 32, _tensors(), {}, {}) == "stored"
+    data = cache.path("ef" * 32) / "tensors.safetensors"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # a copy cut short
+    hit, note = cache.get("ef" * 32)
+    assert hit is None and note.startswith("recomputed: the cached entry was corrupt (ValueError: tensor file of")
+    assert not cache.path("ef" * 32).exists() and scan(tmp_path / "c").partial == []
+    (cache.path("ef" * 32)).mkdir(parents=True)  # an entry without its files (a copy that lost them)
+    assert cache.get("ef" * 32) == (None, "recomputed: the cached entry was corrupt (a file of the entry is "
+                                          "missing); removed")
+
+
+# Writers are processes forked from this one: the tensors are made here, the children only write files.
+_FORK = multiprocessing.get_context("fork")
+
+
+def _put(root: Path, tensors: dict[str, torch.Tensor], barrier, results) -> None:
+    barrier.wait(timeout=60)  # both hold their tensors: they start writing together
+    results.put(RefCache(root).put("cd" * 32, tensors, {"writer": os.getpid()}, {}))
+
+
+def test_two_writers_of_one_key_leave_one_valid_entry(tmp_path: Path) -> None:
+    n = 1 << 22  # 48 MiB per entry: the two writes overlap
+    tensors = {"ref/x": torch.arange(n, dtype=torch.float32), "oracle/x": torch.arange(n, dtype=torch.float64)}
+    barrier, results = _FORK.Barrier(2), _FORK.Queue()
+    procs = [_FORK.Process(target=_put, args=(tmp_path / "c", tensors, barrier, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    said = sorted(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    assert said == ["computed (another run stored the same entry meanwhile)", "stored"]
+    found = scan(tmp_path / "c")
+    assert len(found.entries) == 1 and found.partial == []
+    hit, note = RefCache(tmp_path / "c").get("cd" * 32)
+    assert note == "" and hit.meta["writer"] in [p.pid for p in procs]
+    assert all(torch.equal(hit.tensors[k], v) for k, v in tensors.items())
+
+
+def _stuck_put(root: Path, tensors: dict[str, torch.Tensor], mid_write: Path) -> None:
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+
+    def stuck(*args, **kwargs):  # the tensors are on disk, the index not yet: then the writer is killed
+        real(*args, **kwargs)
+        mid_write.touch()
+        time.sleep(600)
+
+    safetensors.torch.save_file = stuck
+    RefCache(root).put("9a" * 32, tensors, {}, {})
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> None:
+    root, mid_write = tmp_path / "c", tmp_path / "mid-write"
+    proc = _FORK.Process(target=_stuck_put, args=(root, _tensors(), mid_write))
+    proc.start()
+    deadline = time.time() + 120
+    while not mid_write.exists() and proc.is_alive() and time.time() < deadline:
+        time.sleep(0.01)
+    assert mid_write.exists(), proc.exitcode
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=60)
+    left = scan(root)
+    assert left.entries == [] and len(left.partial) == 1  # the tensors on disk, but not as an entry
+    assert RefCache(root).get("9a" * 32) == (None, "")  # a later run finds nothing: it computes
+    assert RefCache(root).put("9a" * 32, _tensors(), {}, {}) == "stored"
+    assert prune(root)["partial_removed"] == 1  # its writer is gone: removed at once
+    after = scan(root)
+    assert after.partial == [] and [e.path.name for e in after.entries] == ["9a" * 32]
 
 
 def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> None:
@@ -199,22 +265,6 @@ def _wait_for(paths: list[Path], procs: list[subprocess.Popen]) -> None:
     while not all(p.exists() for p in paths) and all(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(0.01)
     assert all(p.exists() for p in paths), [p.communicate(timeout=10) for p in procs]
-
-
-def test_two_writers_of_one_key_leave_one_valid_entry(tmp_path: Path) -> None:
-    n = 1 << 23  # 96 MiB per entry: the two writes overlap
-    go, ready = tmp_path / "go", [tmp_path / f"ready-{i}" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER.format(n=n), str(tmp_path / "c"), str(go), str(r)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ready]
-    _wait_for(ready, procs)  # both hold their tensors: they start writing together
-    go.touch()
-    outs = [p.communicate(timeout=300) for p in procs]
-    said = sorted(o.strip().splitlines()[-1] for o, _ in outs)
-    assert said == ["computed (another run stored the same entry meanwhile)", "stored"], outs
-    found = scan(tmp_path / "c")
-    assert len(found.entries) == 1 and found.partial == []
-    hit, note = RefCache(tmp_path / "c").get("cd" * 32)
-    assert note == "" and torch.equal(hit.tensors["ref/x"], torch.arange(n, dtype=torch.float32))
 
 
 _KILLED_RUN = """
@@ -235,6 +285,7 @@ run_one(Task(entry=asdict(find_entry("tiny/gpt2/base")), target="sim:0", ref_cac
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> None:
     cache, mid_write = tmp_path / "c", tmp_path / "mid-write"
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, str(cache), str(mid_write)],
@@ -253,10 +304,41 @@ def test_a_run_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# cold then warm, through the CLI
+# cold then warm: the pipeline in this process, then (slow) the CLI
 # ----------------------------------------------------------------------------------------------------
 
 
+def _run(cache: Path, model: str, **settings: object):
+    import harness.sim  # noqa: F401  (the sim device in this process)
+
+    return asdict(run_one(Task(entry=asdict(find_entry(model)), target="sim:0", ref_cache=str(cache),
+                               settings={"precision": "default", "ops": "young", **settings})))
+
+
+def test_warm_runs_skip_the_reference_side_and_keep_every_verdict(tmp_path: Path) -> None:
+    """A drift (localized with CPU copies rebuilt for it) and a training step (its loss decision cached,
+    its step rebuilt), each cold then warm; a truncated entry is recomputed in the run that finds it."""
+    cache = tmp_path / "c"
+    cold = _run(cache, "tiny/bert/base", declared_precision="fp32")
+    assert cold["outcome"] == "drift" and cold["first_drift_module"] and cold["ref_cache"] == "stored"
+    assert not any(p.get("cached") for p in cold["phases"].values())
+    warm = _run(cache, "tiny/bert/base", declared_precision="fp32")
+    _warm(warm)
+    assert "localize" in warm["phases"] and _verdict(warm) == _verdict(cold)
+    train_cold = _run(cache, "tiny/gpt2/causal-lm", mode="train")
+    assert train_cold["loss_kind"] == "model" and train_cold["ref_cache"] == "stored", train_cold["error_message"]
+    train_warm = _run(cache, "tiny/gpt2/causal-lm", mode="train")
+    _warm(train_warm)
+    assert _verdict(train_warm) == _verdict(train_cold)
+    data = RefCache(cache).path(cold["ref_key"]) / "tensors.safetensors"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    again = _run(cache, "tiny/bert/base", declared_precision="fp32")
+    assert again["ref_cache"].startswith("recomputed: the cached entry was corrupt (ValueError: tensor file of")
+    assert again["ref_cache"].endswith("removed; stored") and _verdict(again) == _verdict(cold)
+    assert _run(cache, "tiny/bert/base", declared_precision="fp32")["ref_cache"] == "cached"
+
+
+@pytest.mark.slow
 def test_a_warm_drift_is_judged_and_localized_as_a_cold_one_and_a_truncated_entry_recomputed(tmp_path: Path) -> None:
     args = ["tiny/bert/base", "--declared-precision", "fp32", "--ref-cache", str(tmp_path / "c")]
     rc_cold, cold = _check(*args)
@@ -273,6 +355,7 @@ def test_a_warm_drift_is_judged_and_localized_as_a_cold_one_and_a_truncated_entr
     assert again["ref_cache"].endswith("removed; stored") and (rc, _verdict(again)) == (rc_cold, _verdict(cold))
 
 
+@pytest.mark.slow
 def test_a_warm_run_of_a_list_in_train_mode_changes_no_verdict(tmp_path: Path, patho) -> None:
     """Shards of one nightly on one file system: the default cache sits next to their DBs; train mode's loss
     decision is cached and its step rebuilt; a nondeterministic reference is cached as such."""
@@ -304,40 +387,52 @@ def test_a_warm_run_of_a_list_in_train_mode_changes_no_verdict(tmp_path: Path, p
     assert s.returncode == 0 and ": 2 entries" in s.stdout and "train: 2 entries" in s.stdout, s.stdout
 
 
-def test_bad_cache_input_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+def _main(capsys, *argv: object) -> tuple[int, str, str]:
+    """The CLI in this process: (exit status, stdout, stderr); argparse's refusals exit 2 as in a shell."""
+    try:
+        rc = cli_main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_bad_cache_input_is_one_line_and_writes_nothing(tmp_path: Path, capsys) -> None:
     afile = tmp_path / "file"
     afile.write_text("x")
-    r = _cli("check", "tiny/bert/base", "--ref-cache", afile / "c")
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(
-        "a file, not a directory (ENOTDIR); nothing was written"), r.stderr[-2000:]
-    r = _cli("run", "--list", "tiny-zoo", "--limit", "1", "--db", tmp_path / "r.db", "--ref-cache", afile)
-    assert r.returncode == 2 and "exists and is not a directory" in r.stderr, r.stderr[-2000:]
+    rc, _, err = _main(capsys, "check", "tiny/bert/base", "--ref-cache", afile / "c")
+    assert rc == 2 and err.strip().splitlines()[-1].endswith("a file, not a directory (ENOTDIR); nothing was written"), err
+    rc, _, err = _main(capsys, "run", "--list", "tiny-zoo", "--limit", "1", "--db", tmp_path / "r.db",
+                       "--ref-cache", afile)
+    assert rc == 2 and "exists and is not a directory" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-    r = _cli("check", "tiny/bert/base", "--ref-cache", tmp_path / "c", "--no-ref-cache")
-    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    rc, _, err = _main(capsys, "check", "tiny/bert/base", "--ref-cache", tmp_path / "c", "--no-ref-cache")
+    assert rc == 2 and "not allowed with argument" in err
     for args, says in [(("stats", "--ref-cache", tmp_path), "is not a portharness reference cache"),
                        (("stats", "--ref-cache", tmp_path / "none"), "no reference cache at"),
                        (("prune", "--ref-cache", tmp_path), "give --older-than AGE"),
                        (("prune", "--ref-cache", tmp_path, "--max-size", "lots"), "--max-size 'lots': expected"),
                        (("prune", "--ref-cache", tmp_path, "--older-than=-1d"), "--older-than '-1d': expected")]:
-        r = _cli("cache", *args)
-        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        rc, _, err = _main(capsys, "cache", *args)
+        assert rc == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_prune_by_age_then_by_size_least_recently_used_first(tmp_path: Path) -> None:
+def test_prune_by_age_then_by_size_least_recently_used_first(tmp_path: Path, capsys) -> None:
     cache = RefCache(tmp_path / "c")
     keys = [f"{i:02d}" * 32 for i in range(3)]
     for i, key in enumerate(keys):
-        assert cache.put(key, _tensors(1 << 10), {}, {}) == "stored"
+        assert cache.put(key, _tensors(1 << 10), {}, {"mode": "train"}) == "stored"
         os.utime(cache.path(key) / "index.json", (1000.0 * (i + 1),) * 2)  # last used: oldest first
     cache.get(keys[0])  # a hit makes it the most recently used
+    rc, out, _ = _main(capsys, "cache", "stats", "--ref-cache", tmp_path / "c")
+    assert rc == 0 and ": 3 entries" in out and "train: 3 entries" in out, out
     size = scan(tmp_path / "c").entries[0].bytes
-    r = _cli("cache", "prune", "--ref-cache", tmp_path / "c", "--max-size", str(size + 1), "--dry-run")
-    assert r.returncode == 0 and "would remove 2 entries" in r.stdout and len(scan(tmp_path / "c").entries) == 3
+    rc, out, _ = _main(capsys, "cache", "prune", "--ref-cache", tmp_path / "c", "--max-size", size + 1, "--dry-run")
+    assert rc == 0 and "would remove 2 entries" in out and len(scan(tmp_path / "c").entries) == 3
     assert prune(tmp_path / "c", max_bytes=size + 1)["removed"] == 2
     assert [e.path.name for e in scan(tmp_path / "c").entries] == [keys[0]]
     assert prune(tmp_path / "c", older_than_s=3600)["removed"] == 0  # just used
     os.utime(cache.path(keys[0]) / "index.json", (1000.0, 1000.0))
-    r = _cli("cache", "prune", "--ref-cache", tmp_path / "c", "--older-than", "30d")
-    assert r.returncode == 0 and "removed 1 entries" in r.stdout and scan(tmp_path / "c").entries == []
+    rc, out, _ = _main(capsys, "cache", "prune", "--ref-cache", tmp_path / "c", "--older-than", "30d")
+    assert rc == 0 and "removed 1 entries" in out and scan(tmp_path / "c").entries == []
