@@ -42,6 +42,7 @@ _VERDICT_FIELDS = [
     ("max rel err", "max_rel_err"),
     ("min cosine", "min_cosine"),
     ("judged by", None),
+    ("ref", "ref_cache"),
     ("phases s (peak MB)", None),
     ("load / ref / target s", None),
     ("peak RSS MB", "peak_rss_mb"),
@@ -127,7 +128,8 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
         if not isinstance(phases, dict) or not phases:
             return None
         order = sorted(phases, key=lambda n: PHASES.index(n) if n in PHASES else len(PHASES))
-        return ", ".join(f"{n} {phases[n].get('s', 0):.2f} ({phases[n].get('peak_rss_mb', 0):.0f})" for n in order)
+        return ", ".join(f"{n} cached" if phases[n].get("cached") else
+                         f"{n} {phases[n].get('s', 0):.2f} ({phases[n].get('peak_rss_mb', 0):.0f})" for n in order)
     ts = [row.get(k) for k in ("load_time_s", "ref_time_s", "target_time_s")]
     return " / ".join("-" if t is None else f"{t:.3f}" for t in ts)
 

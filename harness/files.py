@@ -5,7 +5,9 @@ atomic), flushed to disk, then renamed over the destination. Whatever fails on t
 read-only mount, a directory the user may not write, a parent that is a file) removes the temporary
 file, leaves the old file exactly as it was, and raises `OutputError`: one line naming the path and
 the cause, which the CLI prints with exit 2. A directory of pages (the report) is built the same way
-in a staging directory inside it (`replaced_dir`). Pre-flight checks (`check_writable`) let a command
+in a staging directory inside it (`replaced_dir`); a directory that must appear whole or not at all (a
+reference-cache entry) is filled beside its destination and renamed into place (`atomic_dir`), and one
+is removed by renaming it out of the way first (`remove_dir`). Pre-flight checks (`check_writable`) let a command
 refuse an output path before it does any work.
 """
 
@@ -13,10 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
+import secrets
 import shutil
+import socket
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -251,6 +257,88 @@ def replaced_dir(out: str | os.PathLike, *, stale: Iterable[str] = ()) -> Iterat
             shutil.rmtree(stage, ignore_errors=True)
         if created and not ok:
             shutil.rmtree(out, ignore_errors=True)
+
+
+TMP_SUFFIX = ".tmp"
+
+
+def _writer() -> str:
+    """'<pid>-<host digest>': who is writing, in a file name (host names may hold dots and dashes)."""
+    return f"{os.getpid()}-{hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]}"
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A new directory beside `path` for the caller to fill; when the block ends its files are flushed and
+    it is renamed onto `path` in one step, so a reader sees all of it or nothing, and a process killed
+    meanwhile leaves only a ``.<name>.<pid>-<host>-*.tmp`` directory that no reader looks at
+    (`stale_partial` tells when its writer is gone). An existing `path` is never replaced:
+    FileExistsError (another writer finished first; this one's copy is dropped). On any error the new
+    directory is removed and an OSError becomes OutputError naming `path`."""
+    dest = Path(path)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{_writer()}-", suffix=TMP_SUFFIX, dir=dest.parent))
+        os.chmod(stage, 0o777 & ~_umask())  # mkdtemp makes 0700: others sharing the directory read it too
+    except OSError as e:
+        raise output_error(dest, e) from None
+    try:
+        yield stage
+        for f in stage.iterdir():
+            if f.is_file():
+                os.chmod(f, 0o666 & ~_umask())  # what the umask allows, as for every file written here
+                _fsync(f)
+        _fsync_dir(stage)
+        if dest.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(dest))
+        try:
+            os.rename(stage, dest)  # onto a non-empty directory it fails: the first writer's copy stays
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(errno.EEXIST, "exists", str(dest)) from None
+            raise
+        _fsync_dir(dest.parent)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise output_error(dest, e) from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # gone already once renamed
+
+
+def stale_partial(path: Path, older_than_s: float) -> bool:
+    """Whether `path`, a directory `atomic_dir` or `remove_dir` left, belongs to a writer that is gone: one
+    on this host whose process has ended, or any untouched for `older_than_s` (another host's processes
+    cannot be asked)."""
+    pid, _, rest = path.name.removesuffix(TMP_SUFFIX).rpartition(".")[2].partition("-")
+    host = rest.partition("-")[0]
+    if host == _writer().partition("-")[2] and pid.isdigit() and int(pid) != os.getpid():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    try:
+        newest = max([path.stat().st_mtime, *(f.stat().st_mtime for f in path.iterdir())])
+    except OSError:
+        return True  # removed meanwhile
+    return time.time() - newest > older_than_s
+
+
+def remove_dir(path: str | os.PathLike) -> bool:
+    """Remove the directory `path` in one step as readers see it: renamed to a ``.tmp`` name beside it,
+    then deleted. False if it was gone already (another process removed it)."""
+    p = Path(path)
+    gone = p.with_name(f".{p.name}.{_writer()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        os.rename(p, gone)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise output_error(p, e) from None
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def _umask() -> int:

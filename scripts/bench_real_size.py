@@ -8,6 +8,8 @@ weight bytes, wall time, and wall / reference-forward time, plus the per-phase p
 Not a timed test; run by hand (the 1.3B model needs ~6 GB of disk and several minutes):
 
     python scripts/bench_real_size.py [--sizes 125m,355m,1.3b] [--keep DIR] [-- extra check options]
+
+Cold then warm reference cache: the same command twice with ``-- --ref-cache DIR``.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper-phase seconds / peak RSS MiB (as recorded in each row):")
     for size, *_, row in rows:
         phases = row.get("phases") or {}
-        print(f"  {size}: " + ", ".join(f"{k} {v['s']:.1f}s/{v['peak_rss_mb']:.0f}" for k, v in phases.items()))
+        print(f"  {size}: " + ", ".join(f"{k} cached" if v.get("cached") else f"{k} {v['s']:.1f}s/{v['peak_rss_mb']:.0f}"
+                                        for k, v in phases.items())
+              + (f"  (reference side: {row['ref_cache']})" if row.get("ref_cache") else ""))
     return 0
 
 

@@ -125,6 +125,13 @@ class Adapter:
         cannot tell us what its matmuls do."""
         return settings.get("declared_precision", "fp32")
 
+    def reference_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The settings that can change the CPU reference side (part of the reference cache's key): all but
+        those only the target run sees (the matmul precision `apply` sets around it, the op check; the
+        declared contract enters the key on its own). A backend's own options stay in: an adapter that
+        knows they touch only its device says so by overriding this."""
+        return {k: v for k, v in settings.items() if k not in ("precision", "op_check", "declared_precision")}
+
     def repro_setup(self, settings: dict[str, Any]) -> list[str]:
         """Python lines a standalone repro runs after importing torch and the backend, to apply `settings`."""
         precision = settings.get("precision", "default")

@@ -65,6 +65,10 @@ class SimAdapter(Adapter):
             return settings["declared_precision"]
         return "fp32" if settings.get("precision", "default") == "highest" else "bf16-matmul"
 
+    def reference_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        # op profile, CPU fallback, planted bugs and injected faults act in sim's kernels only
+        return {k: v for k, v in super().reference_settings(settings).items() if k not in self.options}
+
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         # faults are read when sim loads in the worker, so they travel as its environment
         return {"PORTHARNESS_SIM_FAULTS": settings["fault"]} if settings.get("fault") else {}

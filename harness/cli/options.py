@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
 from harness.cli.results import (
     cmd_baseline,
@@ -73,6 +74,16 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     _backend_option(p)
 
 
+def _ref_cache_options(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--ref-cache", default=None, metavar="DIR",
+                   help="reference cache: each model's fp32 reference, fp64 oracle and expected reference (and train "
+                        "mode's step), reused until anything they depend on changes (model, config, inputs, seed, "
+                        "mode, dtype, contract, versions); shards and hosts can share one on a common file system "
+                        f"({default})")
+    g.add_argument("--no-ref-cache", action="store_true", help="compute the reference side every time; store nothing")
+
+
 def _backend_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", action="append", default=[], metavar="MODULE",
                    help="import MODULE to register the target's backend (repeatable; also PORTHARNESS_BACKENDS="
@@ -96,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its config's architectures; base for hub ids)")
     p.add_argument("--json", action="store_true", help="print the full result row as JSON")
     p.add_argument("--db", default=None, help="also record the row in this result DB")
+    _ref_cache_options(p, "default: ref-cache/ next to --db; none without --db")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("run", help="run a model list on a target, recording every outcome")
@@ -123,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, help="build the HTML report into this directory afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    _ref_cache_options(p, "default: ref-cache/ next to --db")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix and pass rates")
@@ -201,7 +214,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
     p.set_defaults(func=cmd_zoo)
     _nightly_parsers(sub)
+    _cache_parsers(sub)
     return ap
+
+
+def _cache_parsers(sub: Any) -> None:
+    """`cache stats` and `cache prune`: the reference cache `check` and `run` keep."""
+    p = sub.add_parser("cache", help="the reference cache: what it holds (stats), what to drop (prune)")
+    p.set_defaults(func=cmd_cache)
+    c = p.add_subparsers(dest="cache_command", required=True)
+    stats = c.add_parser("stats", help="entries, size, last use, by versions and mode")
+    prune = c.add_parser("prune", help="remove entries unused for a while, or the least recently used beyond a size")
+    for q in (stats, prune):
+        q.add_argument("--ref-cache", default=None, metavar="DIR", help="the cache (default: ref-cache/ next to --db)")
+        q.add_argument("--db", default=DEFAULT_DB, help=f"the result DB the cache sits next to (default {DEFAULT_DB})")
+        q.add_argument("--json", action="store_true")
+    prune.add_argument("--older-than", default=None, metavar="AGE",
+                       help="remove entries not used for AGE: a number with s, m, h, d or w (30d, 12h)")
+    prune.add_argument("--max-size", default=None, metavar="SIZE",
+                       help="then remove the least recently used entries until the rest fit in SIZE: bytes, or a "
+                            "number with K, M, G or T (powers of 1024: 20G, 500M)")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
 
 
 def _nightly_parsers(sub: Any) -> None:

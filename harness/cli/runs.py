@@ -67,6 +67,18 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _ref_cache(args: argparse.Namespace, db: str | None) -> str | None:
+    """The reference cache directory (None: none), refused before any work if it cannot be written."""
+    from harness.files import check_writable
+    from harness.run.refcache import default_root
+
+    if args.no_ref_cache or not (args.ref_cache or db):
+        return None
+    path = os.path.abspath(args.ref_cache) if args.ref_cache else str(default_root(db))
+    check_writable(path, create_parents=True, directory=True)  # created by the first entry stored, not here
+    return path
+
+
 def _saved_rows(db: str, **run: Any) -> int:
     """Rows in the latest unfinished run of this (list, target, settings, shard): what --resume continues."""
     from harness.results.store import ResultStore
@@ -92,7 +104,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     entry = find_entry(args.model, task=args.task)
     if args.db:
         check_writable(args.db)  # before any write: see cmd_run
-    else:  # the DB is temporary; a repro of a diverging op must outlive it (an empty dir must not)
+    config.ref_cache = _ref_cache(args, args.db)
+    if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it (an empty dir must not)
         config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
     try:
         with tempfile.TemporaryDirectory(prefix="portharness-check-") as tmp:
@@ -147,6 +160,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from harness.report import check_out
 
         check_out(args.report)
+    config.ref_cache = _ref_cache(args, args.db)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     except OSError as e:
@@ -156,7 +170,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
           + (f"{jobs or len(fleet.active)} Ray actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
-             if args.executor == "ray" else f"{jobs} worker(s)") + f" -> {args.db}", file=sys.stderr)
+             if args.executor == "ray" else f"{jobs} worker(s)") + f" -> {args.db}"
+          + (f" (reference cache {config.ref_cache})" if config.ref_cache else ""), file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv))

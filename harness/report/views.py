@@ -227,8 +227,8 @@ def _phases_view(phases: Any) -> list[dict[str, str]]:
     if not isinstance(phases, dict):
         return []
     order = sorted(phases, key=lambda n: (PHASES.index(n) if n in PHASES else len(PHASES), n))
-    return [{"phase": n, "s": fmt(phases[n].get("s")), "peak_rss_mb": fmt(phases[n].get("peak_rss_mb"))}
-            for n in order if isinstance(phases[n], dict)]
+    return [{"phase": n, "s": "cached" if phases[n].get("cached") else fmt(phases[n].get("s")),
+             "peak_rss_mb": fmt(phases[n].get("peak_rss_mb"))} for n in order if isinstance(phases[n], dict)]
 
 
 def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -236,6 +236,8 @@ def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     if _text(r.get("oracle")) not in ("", "nan"):
         out.append(("fp64 oracle", _text(r.get("oracle"))))
+    if _text(r.get("ref_cache")) not in ("", "nan"):
+        out.append(("reference", _text(r.get("ref_cache"))))
     checked = as_number(r.get("ops_checked"))
     if checked is not None:
         sampled = as_number(r.get("ops_sampled_out"))

@@ -18,8 +18,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-# The pipeline's phases, in the order they run (a row's `phases` holds those it reached).
-PHASES = ("load", "reference", "oracle", "expected", "target", "compare", "localize")
+# The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
+# cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
+# the cache has {"s": 0, "cached": true}).
+PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize")
 
 
 @dataclass(kw_only=True)
@@ -99,6 +101,8 @@ class Measurement:
     peak_rss_mb: float | None = None
     phases: dict = field(default_factory=dict)  # phase (PHASES) -> {"s": seconds, "peak_rss_mb": MB}
     oracle: str = ""  # which fp64 rule judged it: fp64-copy, fp64-streamed, none (why)
+    ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
+    ref_key: str = ""  # its reference-cache key
 
 
 def step_output(k: int) -> str:

@@ -136,5 +136,9 @@ class PhaseClock:
             self.phases[name] = {"s": round(time.perf_counter() - t0, 4), "peak_rss_mb": round(peak, 1)}
             self.rss.peak_mb = max(start, peak)
 
+    def cached(self, name: str) -> None:
+        """Record phase `name` as taken from the reference cache: it ran for no time at all."""
+        self.phases[name] = {"s": 0.0, "peak_rss_mb": round(self.rss._now(), 1), "cached": True}
+
     def seconds(self, name: str) -> float | None:
         return self.phases[name]["s"] if name in self.phases else None

@@ -15,7 +15,9 @@ outputs are judged:
   path). The target's own free-running tokens are a metric (tokens matched, first divergent step, near-tie
   or bug there). A model without a generation head is `skipped`.
 
-A new mode is one more `Mode` in `MODES` (its CLI choice comes from there).
+A new mode is one more `Mode` in `MODES` (its CLI choice comes from there). What its `plan` decides goes
+into `Plan.fields` (JSON-able row fields); the reference cache keeps them, and `rebuild` makes the same
+step from them without running it. A mode whose `plan` runs the step to decide overrides `rebuild`.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class Mode:
     def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
         return Plan(forward, inputs)
 
+    def rebuild(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int,
+                fields: dict[str, Any]) -> Plan:
+        """The plan `plan` made, from the decisions it recorded (`fields`), for a reference side that comes
+        from the cache: the model is prepared as `plan` prepares it, and nothing is run."""
+        return replace(self.plan(model, loaded, entry, inputs, seed), first=None)
+
     def before_compare(self, model: torch.nn.Module, ref: dict, target: dict, oracle: dict | None,
                        expected: dict | None, tol: Tolerance) -> tuple[dict, dict | None, dict | None, Tolerance]:
         """(reference, oracle, expected, tolerance) as the comparison should see them."""
@@ -130,11 +138,17 @@ class TrainMode(Mode):
             except Exception as e:
                 why = f"the head's loss failed: {type(e).__name__}: {str(e)[:200]}"
             else:
-                return Plan(lambda m, x: train_step(m, x, model_loss=True, seed=seed), with_labels,
-                            {"loss_kind": "model"}, first)
+                return _train_plan(with_labels, {"loss_kind": "model"}, seed, first)
         first = train_step(model, inputs, model_loss=False, seed=seed)
-        return Plan(lambda m, x: train_step(m, x, model_loss=False, seed=seed), inputs,
-                    {"loss_kind": f"reduction ({why})"}, first)
+        return _train_plan(inputs, {"loss_kind": f"reduction ({why})"}, seed, first)
+
+    def rebuild(self, model, loaded, entry, inputs, seed, fields):
+        """The loss `plan` chose (its `loss_kind`), without trying the head's loss again."""
+        prepare(model)
+        if fields.get("loss_kind") == "model":
+            labels = make_labels(model, loaded.config, entry.task, inputs, seed=seed)
+            return _train_plan({**inputs, **labels}, fields, seed)
+        return _train_plan(inputs, fields, seed)
 
     def before_compare(self, model, ref, target, oracle, expected, tol):
         """The optimizers judged on the target's own gradients (see harness.run.train)."""
@@ -173,6 +187,12 @@ class TrainMode(Mode):
         return []
 
 
+def _train_plan(inputs: dict[str, Any], fields: dict[str, Any], seed: int,
+                first: dict[str, torch.Tensor] | None = None) -> Plan:
+    model_loss = fields.get("loss_kind") == "model"
+    return Plan(lambda m, x: train_step(m, x, model_loss=model_loss, seed=seed), inputs, dict(fields), first)
+
+
 class GenerateMode(Mode):
     name = "generate"
     localizes = False  # a drift names the step; module outputs of one forward would not say which
@@ -197,6 +217,14 @@ class GenerateMode(Mode):
         step = generate.TeacherForced(self.new_tokens, self.cache, ref.tokens)
         return Plan(step, prompt, {"new_tokens": self.new_tokens, "ref_tokens": ref.tokens.tolist()},
                     extra=generate.free_running(self.new_tokens, self.cache), phase=step.now)
+
+    def rebuild(self, model, loaded, entry, inputs, seed, fields):
+        """The teacher-forced step along the reference's tokens the cache kept, without decoding again."""
+        model.eval()
+        prompt = generate.prompt(model, inputs)
+        step = generate.TeacherForced(self.new_tokens, self.cache, torch.tensor(fields["ref_tokens"]))
+        return Plan(step, prompt, dict(fields), extra=generate.free_running(self.new_tokens, self.cache),
+                    phase=step.now)
 
     def judge(self, ref, target, verdict):
         return Judged(generate.step_fields({c.name: c for c in verdict.checks}))

@@ -7,11 +7,16 @@ the target's unsupported_op, crash, oom, drift) or pass. Timeouts and worker dea
 supervisor, which sees the process die; whose fault an exception is, is `attribution`'s call. What one
 step is (a forward, a training step, a teacher-forced decoding) is the mode's (`modes`), and so are the
 row fields it measures beyond the verdict; the reference side and the target side are phases of their
-own (`reference`, `target`), each device phase ending with a synchronize.
+own (`reference`, `target`), each device phase ending with a synchronize. With a reference cache
+(`Task.ref_cache`) a model seen before takes its reference side from there, and its CPU model goes to
+the device itself instead of a copy (no CPU copy is kept, nor an fp64 one, unless the mode needs the CPU
+model after the target: train mode's replayed updates); a drift that needs them for localization
+rebuilds them then.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +38,8 @@ from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, n_params
-from harness.run.reference import Stop, reference_side
+from harness.run.refcache import RefCache
+from harness.run.reference import ReferenceSide, Stop, reference_side
 from harness.run.repro import describe, repro_preamble, write_repro
 from harness.run.target import census_fields, target_side, to_device
 
@@ -51,6 +57,7 @@ class Task:
     localize: bool = True
     repro_dir: str = ""  # where the first diverging op's standalone repro goes ("" = none)
     backends: list[str] = field(default_factory=list)  # modules the repro imports to get the backend
+    ref_cache: str = ""  # reference cache directory ("" = none: the reference side is computed)
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
@@ -103,13 +110,19 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
             raise Stop(classify_exception(e, adapter, "load")) from None
 
     declared = contract(adapter.declared_precision(task.settings))
-    side = reference_side(model, loaded, entry, inputs, mode, declared, task.settings, task.seed, adapter, clock)
+    cache = RefCache(task.ref_cache) if task.ref_cache else None
+    side = reference_side(model, loaded, entry, inputs, mode, declared, task.settings, task.seed, adapter, clock,
+                          cache)
     out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
+    out.update(side.fields)
 
     # A small model keeps its CPU copy for module-level localization (and train mode's replayed updates);
-    # a real checkpoint moves to the device in place (one copy of the weights, held by the device).
-    keep_cpu = mode.keeps_cpu_model or (n_params(model) <= COPY_MAX_PARAMS and task.localize)
-    judge = _judge(device, declared, task.settings.get("op_check", "auto"), n_params(model))
+    # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
+    # reference side needs no CPU copy for localization: the rare drift rebuilds it (`_cpu_models`).
+    params = n_params(model)
+    localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
+    keep_cpu = mode.keeps_cpu_model or (params <= COPY_MAX_PARAMS and task.localize and not side.cached)
+    judge = _judge(device, declared, task.settings.get("op_check", "auto"), params)
     with clock.phase("target"):
         target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge, copy_model=keep_cpu)
     if not keep_cpu:
@@ -163,10 +176,12 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     messages += mode.explain(out, kernel, verdict, "fp32" if declared.exact else "declared")
     out["error_message"] = "; ".join(messages)
-    if task.localize and model is not None and mode.localizes:
+    if localizes:
         with clock.phase("localize"):
             try:
-                site = _localize(model, side.oracle_model, target.model, inputs, target.inputs, tol, adapter,
+                cpu, oracle_model = ((model, side.oracle_model) if not side.cached
+                                     else _cpu_models(entry, task, side, model))
+                site = _localize(cpu, oracle_model, target.model, inputs, target.inputs, tol, adapter,
                                  task.settings, None if declared.exact else declared)
                 adapter.synchronize(device)
             except Exception as e:  # localization is diagnostics: never lose the verdict over it
@@ -177,6 +192,20 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
                 if site is not None:
                     out["first_drift_module"] = site.module
                     out["first_drift_module_type"] = site.module_type
+
+
+def _cpu_models(entry: ModelEntry, task: Task, side: ReferenceSide, model: torch.nn.Module | None
+               ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The CPU model (`model` where it was kept; else loaded again and prepared as its plan prepares it)
+    and its fp64 copy where the oracle was one: what a run without the cache keeps for localization,
+    rebuilt for a drift whose reference side came from the cache."""
+    if model is None:
+        loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
+                            dtype=task.settings.get("dtype"))
+        model = loaded.model
+        inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
+        mode_for(task.settings).rebuild(model, loaded, entry, inputs, task.seed, side.plan.fields)
+    return model, copy.deepcopy(model).double() if side.oracle_rule == "fp64-copy" else None
 
 
 def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:

@@ -2,15 +2,19 @@
 from itself judges nothing), the fp64 oracle every error is measured against, and the expected reference
 under the target's declared precision contract.
 
-Nothing here depends on the target but the contract it declares, which is why this side can be computed
-once and reused (see the reference cache). A model whose reference cannot be made stops here with its
-row fields (`Stop`): ref_fail or ref_nondeterministic, or skipped where the mode does not apply to it.
+Nothing here depends on the target but the contract it declares, which is why this side is computed
+once and reused: with a reference cache (`refcache`, keyed by `refkey`) a model seen before gets its
+reference, oracle and expected outputs, its determinism verdict and its mode's decisions from the cache,
+and the mode rebuilds its step from those decisions (`Mode.rebuild`) without running it. A model whose
+reference cannot be made stops here with its row fields (`Stop`): ref_fail or ref_nondeterministic
+(cached too: they are the reference's answer), or skipped where the mode does not apply to it (not cached:
+deciding it is cheap).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +27,12 @@ from harness.run.compare import identical
 from harness.run.memory import PhaseClock
 from harness.run.modes import Mode, Plan, Skip
 from harness.run.oracle import DEFAULT_MAX_PARAMS, fp64_outputs
+from harness.run.refcache import Entry, RefCache
+from harness.run.refkey import NoKey, components, key_of
+
+GROUPS = ("ref", "oracle", "expected")  # the cached tensors' name prefixes
+CACHED_PHASES = ("reference", "oracle", "expected")
+STOPS_CACHED = ("ref_fail", "ref_nondeterministic")  # the reference's own answers (not oom, not a device's)
 
 
 class Stop(Exception):
@@ -42,12 +52,92 @@ class ReferenceSide:
     oracle_model: torch.nn.Module | None  # the fp64 copy, for module-level localization
     expected: dict[str, torch.Tensor] | None  # None: the contract is exact, or the model cannot run emulated
     ref_s: float
+    cached: bool = False  # from the reference cache: nothing above was computed, the model was not run
+    fields: dict[str, Any] = field(default_factory=dict)  # the row's ref_cache and ref_key
 
 
 def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any], mode: Mode,
                    declared: Contract, settings: dict[str, Any], seed: int, adapter: Adapter,
-                   clock: PhaseClock) -> ReferenceSide:
-    """Run the reference phases (`Stop` with the row's fields when the model goes no further)."""
+                   clock: PhaseClock, cache: RefCache | None = None) -> ReferenceSide:
+    """The reference phases, or their results from `cache` (`Stop` with the row's fields when the model
+    goes no further)."""
+    if cache is None:
+        return _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock)
+    with clock.phase("ref_cache"):
+        try:
+            parts = components(entry, loaded.config, inputs, mode=mode.name, contract=declared.name,
+                               settings=adapter.reference_settings(settings), seed=seed, memo=cache.memo)
+        except NoKey as e:
+            return _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock,
+                             {"ref_cache": f"computed (not cached: {e})"})
+        key = key_of(parts)
+        hit, note = cache.get(key)
+        if hit is not None:
+            side = _from_cache(hit, model, loaded, entry, inputs, mode, seed)
+            if side is not None or "stop" in hit.meta:
+                for name in CACHED_PHASES:
+                    if name in hit.meta.get("phases", {}):
+                        clock.cached(name)
+                fields = {"ref_cache": "cached", "ref_key": key}
+                if side is None:
+                    raise Stop({**hit.meta["stop"], **fields})
+                side.fields = fields
+                return side
+            note = "recomputed: the cached decisions could not rebuild the step"
+    fields = {"ref_key": key}
+    try:
+        side = _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock, fields)
+    except Stop as stop:
+        if stop.fields.get("outcome") in STOPS_CACHED:
+            with clock.phase("ref_store"):
+                stored = cache.put(key, {}, {"stop": stop.fields, "phases": _phase_seconds(clock)}, parts)
+        else:
+            stored = f"computed (not stored: {stop.fields.get('outcome')} is this run's, not the reference's answer)"
+        stop.fields["ref_cache"] = _joined(note, stored)
+        raise
+    with clock.phase("ref_store"):
+        tensors = {f"{group}/{name}": t for group, outs in zip(GROUPS, (side.ref, side.oracle, side.expected),
+                                                                strict=True) for name, t in (outs or {}).items()}
+        meta = {"oracle_rule": side.oracle_rule, "fields": side.plan.fields, "ref_s": side.ref_s,
+                "has": [g for g, outs in zip(GROUPS, (side.ref, side.oracle, side.expected), strict=True)
+                        if outs is not None],
+                "phases": _phase_seconds(clock)}
+        side.fields["ref_cache"] = _joined(note, cache.put(key, tensors, meta, parts))
+    return side
+
+
+def _joined(note: str, stored: str) -> str:
+    return f"{note}; {stored}" if note else stored
+
+
+def _phase_seconds(clock: PhaseClock) -> dict[str, float]:
+    """The reference phases this model ran and their seconds (what a hit saves)."""
+    return {name: clock.phases[name]["s"] for name in CACHED_PHASES if name in clock.phases}
+
+
+def _from_cache(hit: Entry, model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any],
+                mode: Mode, seed: int) -> ReferenceSide | None:
+    """The reference side a cache entry holds, the mode's step rebuilt from its decisions (None for a
+    cached stop, or if the rebuild fails: the entry is then recomputed)."""
+    meta = hit.meta
+    if "stop" in meta:
+        return None
+    try:
+        plan = mode.rebuild(model, loaded, entry, inputs, seed, dict(meta.get("fields", {})))
+    except Exception:
+        return None
+    groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in meta.get("has", [])}
+    for name, t in hit.tensors.items():
+        group, _, rest = name.partition("/")
+        groups.setdefault(group, {})[rest] = t
+    return ReferenceSide(plan, groups.get("ref", {}), groups.get("oracle"), meta.get("oracle_rule", ""), None,
+                         groups.get("expected"), float(meta.get("ref_s") or 0.0), True)
+
+
+def _computed(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any], mode: Mode,
+              declared: Contract, settings: dict[str, Any], seed: int, adapter: Adapter, clock: PhaseClock,
+              fields: dict[str, Any] | None = None) -> ReferenceSide:
+    fields = dict(fields or {})
     with clock.phase("reference"):
         try:
             t0 = time.perf_counter()
@@ -60,10 +150,11 @@ def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, input
         except Skip as e:
             raise Stop({"outcome": "skipped", "error_message": str(e)}) from None
         except Exception as e:
-            raise Stop(classify_exception(e, adapter, "reference")) from None
+            raise Stop({**classify_exception(e, adapter, "reference"), **fields}) from None
         if not identical(ref, ref2):
             raise Stop({"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ "
-                        "(the second under another seed: the step draws random numbers, or is not deterministic)"})
+                        "(the second under another seed: the step draws random numbers, or is not deterministic)",
+                        **fields})
         del ref2
 
     with clock.phase("oracle"):
@@ -82,4 +173,4 @@ def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, input
                     expected = plan.step(model, plan.inputs)
             except Exception:
                 expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone
-    return ReferenceSide(plan, ref, oracle, rule, oracle_model, expected, ref_s)
+    return ReferenceSide(plan, ref, oracle, rule, oracle_model, expected, ref_s, False, fields)

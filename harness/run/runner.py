@@ -53,6 +53,7 @@ class RunConfig:
     devices: list[str] | None = None  # default: every device of the target's type
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
+    ref_cache: str | None = None  # reference cache directory shared by runs, shards and hosts (None: none)
     progress: bool = True
     fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
     rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
@@ -416,7 +417,7 @@ class _Run:
     def _send(self, w: Worker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
-                    backends=list(self.cfg.backends))
+                    backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "")
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:
