@@ -32,6 +32,7 @@ from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, n_params
+from harness.run.perf import DEFAULT_BUDGET_S, measure_model
 from harness.run.reference import Stop, reference_side
 from harness.run.repro import describe, repro_preamble, write_repro
 from harness.run.target import census_fields, target_side, to_device
@@ -50,6 +51,8 @@ class Task:
     localize: bool = True
     repro_dir: str = ""  # where the first diverging op's standalone repro goes ("" = none)
     backends: list[str] = field(default_factory=list)  # modules the repro imports to get the backend
+    perf: bool = False  # time the step after the verdict (harness.run.perf)
+    perf_budget_s: float = DEFAULT_BUDGET_S
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
@@ -80,15 +83,21 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measur
 
 def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    after: list[Callable[[], dict[str, Any]]] = []
     try:
-        _phases(entry, task, tol, clock, out)
+        _phases(entry, task, tol, clock, out, after)
     except Stop as stop:
         return {**out, **stop.fields}
+    for timing in after:  # speed, once the verdict is complete
+        with clock.phase("perf"):
+            out.update(timing())
     return out
 
 
-def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any]) -> None:
-    """The phases, writing the row's fields into `out` (`Stop` where the row ends early)."""
+def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any],
+            after: list[Callable[[], dict[str, Any]]]) -> None:
+    """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
+    the verdict goes into `after`."""
     device = task.target
     adapter = adapter_for(device)
     mode = mode_for(task.settings)
@@ -107,7 +116,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
 
     # A small model keeps its CPU copy for module-level localization (and train mode's replayed updates);
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device).
-    keep_cpu = mode.keeps_cpu_model or (n_params(model) <= COPY_MAX_PARAMS and task.localize)
+    keep_cpu = mode.keeps_cpu_model or (n_params(model) <= COPY_MAX_PARAMS and (task.localize or task.perf))
     judge = _judge(device, declared, task.settings.get("op_check", "auto"), n_params(model))
     with clock.phase("target"):
         target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge, copy_model=keep_cpu)
@@ -115,6 +124,8 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         model = None
     judge = target.judge
     out["_target_s"] = target.seconds
+    if task.perf:
+        after.append(_perf(side.plan, model, target, device, adapter, task))
 
     with clock.phase("compare"):
         ref, oracle, expected, tol = mode.before_compare(model, side.ref, target.out, side.oracle, side.expected, tol)
@@ -176,6 +187,12 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
                 if site is not None:
                     out["first_drift_module"] = site.module
                     out["first_drift_module_type"] = site.module_type
+
+
+def _perf(plan, cpu_model, target, device, adapter, task) -> Callable[[], dict[str, Any]]:
+    """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
+    of the CPU model of a checkpoint that moved to the device in place)."""
+    return lambda: measure_model(plan, cpu_model, target, device, adapter, task.settings, task.perf_budget_s)
 
 
 def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
