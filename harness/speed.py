@@ -177,7 +177,8 @@ def explain(shift: Shift, ops: list[OpShift], *, scale: float = 1.0, base: Mappi
     overall = _overall(base, head, scale)
     if overall is not None and not math.isinf(top.factor) and top.factor <= overall * 1.1:
         return f"{text}; slower across ops (largest added: {top.op} {what}, {top.share:.0%} of the added time)"
-    return f"{text}; {top.op} self time {what} ({top.share:.0%} of the added time)"
+    # other ops' noise can shrink the added time below this op's own growth: never more than all of it
+    return f"{text}; {top.op} self time {what} ({min(top.share, 1.0):.0%} of the added time)"
 
 
 def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, scale: float) -> float | None:

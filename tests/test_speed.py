@@ -24,7 +24,7 @@ def test_summary_is_robust_to_bursts_and_reproducible() -> None:
     assert s["n"] == 200 and s["q1"] <= s["median"] <= s["q3"] and s["lo"] <= s["median"] <= s["hi"]
     assert s["median"] == pytest.approx(2e-3, rel=0.1)  # 20% of the samples up to 20x longer: the median holds
     assert s["max"] > 5 * s["median"]
-    assert speed.summarize(noisy(2e-3, bursts=0.2)) == s  # seeded bootstrap: same samples, same interval
+    assert speed.summarize(noisy(2e-3, bursts=0.2)) == s  # order statistics: same samples, same interval
     one = speed.summarize([0.5])
     assert (one["lo"], one["median"], one["hi"]) == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="no finite positive"):
@@ -80,6 +80,12 @@ def test_the_op_that_added_the_time_is_named_with_its_share() -> None:
     assert ops[0].share == pytest.approx(310 / 410)
     text = speed.explain(speed.Shift(1.41, 1.3, 1.5, True, False), ops, base=BASE_PROFILE, head=head)
     assert text == "1.41x slower [1.30-1.50]; aten::_softmax self time 4.1x (76% of the added time)"
+    # another op measured faster (noise) leaves less added time than softmax alone added: all of it, not 300%
+    shrunk = {"total_us": 1100.0, "ops": [["aten::addmm", 300.0], ["aten::_softmax", 400.0], ["aten::gelu", 400.0]]}
+    ops = speed.op_shifts(BASE_PROFILE, shrunk)
+    assert ops[0].op == "aten::_softmax" and ops[0].share == pytest.approx(3.0)
+    text = speed.explain(speed.Shift(1.1, 1.05, 1.15, False, False), ops, base=BASE_PROFILE, head=shrunk)
+    assert text.endswith("aten::_softmax self time 4.0x (100% of the added time)")
 
 
 def test_a_busier_machine_is_not_an_op_getting_slower() -> None:

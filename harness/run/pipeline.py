@@ -191,8 +191,10 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
 
 def _perf(plan, cpu_model, target, device, adapter, task) -> Callable[[], dict[str, Any]]:
     """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
-    of the CPU model of a checkpoint that moved to the device in place)."""
-    return lambda: measure_model(plan, cpu_model, target, device, adapter, task.settings, task.perf_budget_s)
+    of the CPU model of a checkpoint that moved to the device in place). A compiled configuration
+    (``--compile``, issue 20's ``compile`` setting) also times the step eagerly: the speedup."""
+    return lambda: measure_model(plan, cpu_model, target, device, adapter, task.settings, task.perf_budget_s,
+                                 compiled=bool(task.settings.get("compile")))
 
 
 def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
