@@ -254,12 +254,14 @@ def _three_nights(tmp_path: Path, list_name: str, shards: int, limit: str = "",
                   parallel: bool = True) -> dict[str, subprocess.CompletedProcess]:
     """scripts/nightly_local.sh with the real runner over three simulated nights of two settings on one
     op profile file: night 1 writes the expected files, night 2 runs with aten::gelu removed from the
-    profile (a regression), night 3 with it back (fixed)."""
+    profile (a regression), night 3 with it back (fixed). The first setting is timed (--perf, as the nightly
+    times one configuration); PERF_REGRESSION=100 keeps the speed gate out of these verdicts (its rules
+    are tested on rows built for them, in test_perf.py: no verdict here may hang on a clock)."""
     young = (REPO / "harness" / "sim" / "profiles" / "young.txt").read_text()
     profile = tmp_path / "profile.txt"
-    settings = f"--ops {profile} --precision default\n--ops {profile} --precision highest"
+    settings = f"--ops {profile} --precision default --perf --perf-budget 0.3\n--ops {profile} --precision highest"
     env = {**os.environ, "JOBS": "1" if parallel else "2", "PARALLEL": "1" if parallel else "0", "HF_HUB_OFFLINE": "1",
-           "SETTINGS": settings,
+           "SETTINGS": settings, "PERF_REGRESSION": "100",
            "EXPECTED_DIR": str(tmp_path / "expected"), "HISTORY": str(tmp_path / "history.jsonl"), "LIMIT": limit}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env.pop("PORTHARNESS", None)
@@ -300,6 +302,8 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     assert trend.count("<svg class=\"trend\"") == 2
     for cls in ("pass", "ran", "matched"):
         assert trend.count(f'class="point {cls}"') == 6  # three points per setting
+    assert trend.count('<div class="speed-trend">') == 1 and trend.count('class="point ratio"') == 3  # the timed one
+    assert "speed: " in fixed.stdout and "model(s) compared" in fixed.stdout  # the diff compared the timed models
     assert "2026-01-02" in trend and "aten::gelu" in trend  # the group that appeared, and went away
     matrix = (tmp_path / "n3" / "site" / "matrix.html").read_text()
     assert matrix.count("precision=highest") >= 1 and matrix.count("precision=default") >= 1  # one site, both
