@@ -284,7 +284,11 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     first, broken, fixed = nights["first"], nights["broken"], nights["fixed"]
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("RESULT: OK: 0 new failure(s), 0 unexpected pass(es)") == 2  # both settings
-    assert len(list((tmp_path / "expected").glob("smoke--sim--ops=*.csv"))) == 2
+    expected = sorted((tmp_path / "expected").glob("smoke--sim--ops=*.csv"))
+    outcomes = [p.name for p in expected if not p.name.endswith(".perf.csv")]
+    timed = [n for n in outcomes if "precision=default" in n]  # the --perf setting: its speed baseline beside
+    assert len(outcomes) == 2 and len(timed) == 1
+    assert [p.name for p in expected if p.name.endswith(".perf.csv")] == [timed[0].replace(".csv", ".perf.csv")]
     assert broken.returncode == 1, broken.stdout + broken.stderr
     baseline = (tmp_path / "n2" / "baseline.txt").read_text()
     assert "NEW FAILURES by group (1):" in baseline and "unsupported_op · aten::gelu · Could not run <q>" in baseline
@@ -299,7 +303,7 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     history = (tmp_path / "history.jsonl").read_text().splitlines()
     assert len(history) == 6  # three nights x two settings
     trend = (tmp_path / "n3" / "site" / "trend.html").read_text()
-    assert trend.count("<svg class=\"trend\"") == 2
+    assert trend.count("<svg class=\"trend\"") == 3  # each setting's outcomes, and the timed one's speed
     for cls in ("pass", "ran", "matched"):
         assert trend.count(f'class="point {cls}"') == 6  # three points per setting
     assert trend.count('<div class="speed-trend">') == 1 and trend.count('class="point ratio"') == 3  # the timed one
