@@ -54,6 +54,16 @@ def test_regression_needs_the_threshold_and_an_interval_above_one(factor: float,
     assert shift.lo <= shift.slowdown <= shift.hi
 
 
+def test_a_slowdown_past_the_threshold_that_noise_explains_is_not_a_regression() -> None:
+    """Medians 1.0 -> 1.3 (past 1.2x), but five rounds each spread over 4x: the interval holds 1."""
+    base = speed.summarize([0.5, 0.8, 1.0, 1.2, 2.0])
+    head = speed.summarize([0.7, 1.1, 1.3, 1.6, 2.6])
+    shift = speed.compare(base, head, threshold=1.2)
+    assert shift is not None and shift.slowdown == pytest.approx(1.3) and shift.lo < 1 and not shift.regressed
+    tight = speed.compare(speed.summarize([0.98, 0.99, 1.0, 1.01, 1.02]), speed.summarize([1.28, 1.29, 1.3, 1.31, 1.32]))
+    assert tight is not None and tight.regressed  # the same medians, steady rounds: a regression
+
+
 def test_faster_and_incomparable() -> None:
     base, head = {"median": 2.0, "lo": 1.9, "hi": 2.1}, {"median": 1.0, "lo": 0.95, "hi": 1.05}
     shift = speed.compare(base, head)
