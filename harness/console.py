@@ -46,6 +46,9 @@ _VERDICT_FIELDS = [
     ("phases s (peak MB)", None),
     ("load / ref / target s", None),
     ("peak RSS MB", "peak_rss_mb"),
+    ("speed (--perf)", None),
+    ("slowest ops (self time)", None),
+    ("device peak MB (--perf)", "perf_peak_mem_mb"),
 ]
 
 
@@ -130,8 +133,36 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
         order = sorted(phases, key=lambda n: PHASES.index(n) if n in PHASES else len(PHASES))
         return ", ".join(f"{n} cached" if phases[n].get("cached") else
                          f"{n} {phases[n].get('s', 0):.2f} ({phases[n].get('peak_rss_mb', 0):.0f})" for n in order)
+    if label in ("speed (--perf)", "slowest ops (self time)"):
+        return _perf_text(label, row.get("perf"))
     ts = [row.get(k) for k in ("load_time_s", "ref_time_s", "target_time_s")]
     return " / ".join("-" if t is None else f"{t:.3f}" for t in ts)
+
+
+def _ms(s: dict[str, Any]) -> str:
+    return f"{s['median'] * 1e3:.3g} ms (IQR {s['q1'] * 1e3:.3g}-{s['q3'] * 1e3:.3g})"
+
+
+def _perf_text(label: str, perf: Any) -> str | None:
+    """The --perf lines: medians with their spread, the ratio with its interval; the profile's top ops."""
+    if not isinstance(perf, dict) or not perf:
+        return None
+    if label == "slowest ops (self time)":
+        prof = perf.get("profile") or {}
+        ops, total = prof.get("ops") or [], prof.get("total_us") or 0
+        if not ops or not total:
+            return perf.get("profile_error")
+        return ", ".join(f"{op} {us / total:.0%}" for op, us in ops[:5]) + f" of {total / 1e3:.3g} ms per step"
+    if perf.get("error"):
+        return f"not measured: {perf['error']}"
+    parts = [f"{side} {_ms(perf[side])}" for side in ("target", "eager", "reference") if side in perf]
+    if "ratio" in perf:
+        r = perf["ratio"]
+        parts.append(f"target/reference {r['median']:.3g}x (95% interval {r['lo']:.3g}-{r['hi']:.3g})")
+    if "speedup" in perf:
+        parts.append(f"compiled speedup {perf['speedup']['median']:.3g}x over eager")
+    n = next((perf[k]["n"] for k in ("target", "reference") if k in perf), 0)
+    return "; ".join(parts) + f"; {n} rounds in {perf.get('wall_s', 0):.1f} s" + (f"; {perf['note']}" if perf.get("note") else "")
 
 
 def verdict_lines(row: dict[str, Any]) -> list[str]:

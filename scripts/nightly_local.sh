@@ -33,6 +33,9 @@
 #   RAY_ADDRESS=ADDR   run on a Ray cluster (portharness run --executor ray --ray-address ADDR: auto, HOST:PORT or
 #                      ray://HOST:PORT), one actor per device of every node; use SHARDS=1 (the cluster spreads the list)
 #   FLAKY_ALLOWLIST=F  known-flaky model ids, not counted as regressions by the diff
+#   PERF_ALLOWLIST=F   known-noisy model ids whose perf regressions do not gate (diff and baseline check
+#                      --perf-allowlist); a settings string with --perf times every model after its verdict
+#   PERF_REGRESSION=X  slowdown that is a perf regression when beyond noise (default 1.2)
 #   PORTHARNESS="..."  the CLI to call (default: portharness, or python -m harness.cli)
 # exit status: 0 ok; 1 a regression (baseline check or diff vs PREV_DB) or a failed shard; 2 bad input.
 set -euo pipefail
@@ -56,6 +59,8 @@ SHARD_ONLY="${SHARD_ONLY:-}"
 LIMIT="${LIMIT:-}"
 PREV_DB="${PREV_DB:-}"
 FLAKY_ALLOWLIST="${FLAKY_ALLOWLIST:-}"
+PERF_ALLOWLIST="${PERF_ALLOWLIST:-}"
+PERF_REGRESSION="${PERF_REGRESSION:-1.2}"
 if [[ -z "${FLAKY:-}" && -f "$EXPECTED_DIR/flaky.txt" ]]; then FLAKY="$EXPECTED_DIR/flaky.txt"; fi
 FLAKY="${FLAKY:-}"
 if [[ -z "${PORTHARNESS:-}" ]]; then
@@ -64,6 +69,10 @@ fi
 
 if ! [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]]; then
   echo "nightly_local: SHARDS must be a positive integer, got '$SHARDS'" >&2
+  exit 2
+fi
+if [[ -n "$PERF_ALLOWLIST" && ! -f "$PERF_ALLOWLIST" ]]; then
+  echo "nightly_local: PERF_ALLOWLIST=$PERF_ALLOWLIST does not exist" >&2
   exit 2
 fi
 if [[ -n "$PREV_DB" && ! -f "$PREV_DB" ]]; then
@@ -182,8 +191,9 @@ if [[ "$NO_BASELINE" != "1" ]]; then
     $PORTHARNESS baseline update --db "$OUT/merged.db" --out-dir "$PROPOSED_DIR" >&2
   fi
   echo "== baseline check against $EXPECTED_DIR" >&2
-  check_args=(baseline check --db "$OUT/merged.db" --expected-dir "$EXPECTED_DIR")
+  check_args=(baseline check --db "$OUT/merged.db" --expected-dir "$EXPECTED_DIR" --perf-regression "$PERF_REGRESSION")
   if [[ -n "$FLAKY" ]]; then check_args+=(--flaky "$FLAKY"); fi
+  if [[ -n "$PERF_ALLOWLIST" ]]; then check_args+=(--perf-allowlist "$PERF_ALLOWLIST"); fi
   set +e
   # shellcheck disable=SC2086
   $PORTHARNESS "${check_args[@]}" > "$OUT/baseline.txt" 2>&1
@@ -208,8 +218,9 @@ $PORTHARNESS "${report_args[@]}" >&2
 rc=0
 if [[ -n "$PREV_DB" ]]; then
   echo "== diff vs $PREV_DB" >&2
-  diff_args=(diff --night --base-db "$PREV_DB" --head-db "$OUT/merged.db")
+  diff_args=(diff --night --base-db "$PREV_DB" --head-db "$OUT/merged.db" --perf-regression "$PERF_REGRESSION")
   if [[ -n "$FLAKY_ALLOWLIST" ]]; then diff_args+=(--flaky-allowlist "$FLAKY_ALLOWLIST"); fi
+  if [[ -n "$PERF_ALLOWLIST" ]]; then diff_args+=(--perf-allowlist "$PERF_ALLOWLIST"); fi
   set +e
   # shellcheck disable=SC2086
   $PORTHARNESS "${diff_args[@]}" | tee "$OUT/diff.txt"

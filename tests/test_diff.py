@@ -254,12 +254,14 @@ def _three_nights(tmp_path: Path, list_name: str, shards: int, limit: str = "",
                   parallel: bool = True) -> dict[str, subprocess.CompletedProcess]:
     """scripts/nightly_local.sh with the real runner over three simulated nights of two settings on one
     op profile file: night 1 writes the expected files, night 2 runs with aten::gelu removed from the
-    profile (a regression), night 3 with it back (fixed)."""
+    profile (a regression), night 3 with it back (fixed). The first setting is timed (--perf, as the nightly
+    times one configuration); PERF_REGRESSION=100 keeps the speed gate out of these verdicts (its rules
+    are tested on rows built for them, in test_perf.py: no verdict here may hang on a clock)."""
     young = (REPO / "harness" / "sim" / "profiles" / "young.txt").read_text()
     profile = tmp_path / "profile.txt"
-    settings = f"--ops {profile} --precision default\n--ops {profile} --precision highest"
+    settings = f"--ops {profile} --precision default --perf --perf-budget 0.3\n--ops {profile} --precision highest"
     env = {**os.environ, "JOBS": "1" if parallel else "2", "PARALLEL": "1" if parallel else "0", "HF_HUB_OFFLINE": "1",
-           "SETTINGS": settings,
+           "SETTINGS": settings, "PERF_REGRESSION": "100",
            "EXPECTED_DIR": str(tmp_path / "expected"), "HISTORY": str(tmp_path / "history.jsonl"), "LIMIT": limit}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env.pop("PORTHARNESS", None)
@@ -282,7 +284,11 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     first, broken, fixed = nights["first"], nights["broken"], nights["fixed"]
     assert first.returncode == 0, first.stdout + first.stderr
     assert first.stdout.count("RESULT: OK: 0 new failure(s), 0 unexpected pass(es)") == 2  # both settings
-    assert len(list((tmp_path / "expected").glob("smoke--sim--ops=*.csv"))) == 2
+    expected = sorted((tmp_path / "expected").glob("smoke--sim--ops=*.csv"))
+    outcomes = [p.name for p in expected if not p.name.endswith(".perf.csv")]
+    timed = [n for n in outcomes if "precision=default" in n]  # the --perf setting: its speed baseline beside
+    assert len(outcomes) == 2 and len(timed) == 1
+    assert [p.name for p in expected if p.name.endswith(".perf.csv")] == [timed[0].replace(".csv", ".perf.csv")]
     assert broken.returncode == 1, broken.stdout + broken.stderr
     baseline = (tmp_path / "n2" / "baseline.txt").read_text()
     assert "NEW FAILURES by group (1):" in baseline and "unsupported_op · aten::gelu · Could not run <q>" in baseline
@@ -298,13 +304,15 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     assert len(history) == 6  # three nights x two settings
     nights_seen = [(e["date"], e["config"][-9:], e["counts"]) for e in history]
     trend = (tmp_path / "n3" / "site" / "trend.html").read_text()
-    assert trend.count("<svg class=\"trend\"") == 2
+    assert trend.count("<svg class=\"trend\"") == 3  # each setting's outcomes, and the timed one's speed
     for cls, key in (("pass", "pass_pct"), ("ran", "ran_pct"), ("matched", "matched_pct")):
         # A point per night that has a value: matched % has none on a night where nothing ran (both models
         # lost to other causes on a loaded machine), and then the chart must leave that night out.
         valued = sum(e[key] is not None for e in history)
         assert trend.count(f'class="point {cls}"') == valued, nights_seen
         assert valued >= (6 if cls != "matched" else 5), nights_seen  # the broken night's matched % may be empty
+    assert trend.count('<div class="speed-trend">') == 1 and trend.count('class="point ratio"') == 3  # the timed one
+    assert "speed: " in fixed.stdout and "model(s) compared" in fixed.stdout  # the diff compared the timed models
     assert "2026-01-02" in trend and "aten::gelu" in trend  # the group that appeared, and went away
     matrix = (tmp_path / "n3" / "site" / "matrix.html").read_text()
     assert matrix.count("precision=highest") >= 1 and matrix.count("precision=default") >= 1  # one site, both

@@ -32,7 +32,8 @@ import pandas as pd
 
 from harness import csvio, files
 from harness.analysis.fingerprint import FailureGroup, group_rows
-from harness.analysis.matrix import column_records
+from harness.analysis.matrix import column_records, settings_label
+from harness.analysis.perfgate import PerfGate, format_gate, gate
 from harness.outcomes import DEVICE_SIDE, MATCHED, NOT_THE_MODELS, OUTCOMES, severity
 from harness.results.codec import canonical_json
 
@@ -172,11 +173,10 @@ def write_expected(path: str | os.PathLike, config: Config, rows: list[Expected]
     return files.write_text(p, format_expected(config, rows, command=command))
 
 
-def read_expected(path: str | os.PathLike) -> ExpectedFile:
-    """Parse an expected file; ValueError ``path:line: what is wrong`` on anything malformed."""
-    p = Path(path)
+def read_expected_header(p: Path, *, what: str = "expected file") -> tuple[Config, list[tuple[int, str]]]:
+    """The configuration a baseline file's ``#`` header names, and its other non-empty lines (numbered)."""
     if not p.is_file():
-        raise FileNotFoundError(f"expected file {p} does not exist; create it with `portharness baseline update`")
+        raise FileNotFoundError(f"{what} {p} does not exist; create it with `portharness baseline update`")
     header: dict[str, str] = {}
     body: list[tuple[int, str]] = []
     try:
@@ -199,6 +199,13 @@ def read_expected(path: str | os.PathLike) -> ExpectedFile:
         raise ValueError(f"{p}: '# settings:' is not JSON ({e})") from None
     if not isinstance(settings, dict):
         raise ValueError(f"{p}: '# settings:' must be a JSON object")
+    return Config(header["list"], header["target"], canonical_json(settings)), body
+
+
+def read_expected(path: str | os.PathLike) -> ExpectedFile:
+    """Parse an expected file; ValueError ``path:line: what is wrong`` on anything malformed."""
+    p = Path(path)
+    config, body = read_expected_header(p)
     if not body:
         raise ValueError(f"{p}: no '{','.join(COLUMNS)}' header row")
     (first_n, first), *data = body
@@ -219,7 +226,7 @@ def read_expected(path: str | os.PathLike) -> ExpectedFile:
         if model in rows:
             raise ValueError(f"{p}:{n}: model {model!r} is listed twice")
         rows[model] = Expected(model, outcome, detail)
-    return ExpectedFile(Config(header["list"], header["target"], canonical_json(settings)), rows, str(p))
+    return ExpectedFile(config, rows, str(p))
 
 
 def read_flaky(path: str | os.PathLike) -> dict[str, str]:
@@ -276,6 +283,8 @@ class CheckResult:
     expected_path: str
     verdicts: list[Verdict] = field(default_factory=list)
     new_failure_groups: list[FailureGroup] = field(default_factory=list)
+    perf: PerfGate | None = None  # against the perf baseline beside the expected file, when there is one
+    perf_path: str = ""
 
     @property
     def counts(self) -> dict[str, int]:
@@ -290,7 +299,7 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return not self.gating
+        return not self.gating and not (self.perf is not None and self.perf.regressions)
 
     def by_status(self, status: str) -> list[Verdict]:
         return [v for v in self.verdicts if v.status == status]
@@ -308,16 +317,18 @@ class CheckResult:
             "counts": self.counts,
             "models": [asdict(v) for v in self.verdicts if v.status != "pass" or v.note],
             "new_failure_groups": [g.to_dict() for g in self.new_failure_groups],
+            "perf_expected": self.perf_path,
+            "perf": self.perf.to_dict() if self.perf is not None else None,
         }
 
 
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+def _records(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Latest row per model, as dicts with only the columns the check reads (nights are large)."""
     if df.empty:
         return []
     if "run_started_at" in df.columns:
         df = df.sort_values("run_started_at", kind="stable")
-    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "error_message", "error_type")
+    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "error_message", "error_type", *extra)
     return list({r["model_id"]: r for r in column_records(df, cols)}.values())
 
 
@@ -366,11 +377,16 @@ def check(
     run_config: Config | None = None,
     run_id: str = "",
     flaky: dict[str, str] | None = None,
+    perf: tuple[str, dict[str, dict[str, Any]]] | None = None,
+    perf_threshold: float = 1.2,
+    perf_allowlist: dict[str, str] | None = None,
 ) -> CheckResult:
     """Classify every model of ``df`` (one run's results) against ``expected``.
 
     ``run_config`` is the run's configuration: it must be the file's (ValueError naming both
     otherwise), since a run checked against another configuration's expectations means nothing.
+    ``perf`` is the perf baseline (its path, and per model a ``perf`` measurement): the run's models
+    measured with ``--perf`` are gated on it (`harness.analysis.perfgate`).
     """
     if run_config is not None and run_config != expected.config:
         raise ValueError(
@@ -397,6 +413,12 @@ def check(
                 failing.append(row)
         res.verdicts.append(v)
     res.new_failure_groups = group_rows(failing)
+    if perf is not None:
+        res.perf_path, expected_perf = perf
+        tonight = {r["model_id"]: r for r in _records(df, extra=("perf",))} if "perf" in df.columns else {}
+        label = settings_label(res.config.target, res.config.settings)
+        res.perf = gate([(m, label, {"perf": expected_perf[m]}, tonight.get(m)) for m in sorted(expected_perf)],
+                        threshold=perf_threshold, allowlist=perf_allowlist)
     return res
 
 
@@ -412,7 +434,9 @@ def verdict_line(res: CheckResult) -> str:
     """One line for a job summary: OK / FAIL with the gating counts."""
     c = res.counts
     head = "OK" if res.ok else "FAIL"
-    return (f"{head}: {c['new_failure']} new failure(s), {c['unexpected_pass']} unexpected pass(es); "
+    perf = (f", {len(res.perf.regressions)} perf regression(s) of {res.perf.compared} timed"
+            if res.perf is not None else "")
+    return (f"{head}: {c['new_failure']} new failure(s), {c['unexpected_pass']} unexpected pass(es){perf}; "
             f"{c['pass']} pass, {c['expected_failure']} expected failure(s), {c['flaky']} flaky, "
             f"{c['missing']} missing, {c['new_model']} new model(s)")
 
@@ -443,5 +467,9 @@ def format_check(res: CheckResult, *, limit: int = 50) -> str:
             lines.append(f"  {v.model}  {arrow}" + (f"  [{extra}]" if extra else ""))
         if len(items) > limit:
             lines.append(f"  ... and {len(items) - limit} more")
+    if res.perf is not None:
+        lines.append(f"\nperf baseline {res.perf_path}: " + (f"{res.perf.compared} model(s) timed tonight and in it"
+                     if res.perf.compared else "no model of tonight's run was timed (--perf) and is in it"))
+        lines += format_gate(res.perf, limit=limit)
     lines.append("\nRESULT: " + verdict_line(res))
     return "\n".join(lines)

@@ -9,7 +9,10 @@ conservative about what counts as a *target regression*:
 * a model whose head outcome is ``flaky``, or whose id matches the known-flaky allowlist (like
   PyTorch's dynamo CI flaky list), is reported but does not fail the gate;
 * drift growth gates only when the model was already drifting and its rmse ratio grew by more
-  than ``drift_factor``; growth among passing models is informational (``drift_warnings``).
+  than ``drift_factor``; growth among passing models is informational (``drift_warnings``);
+* a model measured with ``--perf`` in both runs is a *perf regression* when it got slower by the
+  threshold beyond both runs' own noise (`harness.analysis.perfgate`); perf regressions gate like the
+  numeric ones, in a section of their own, except for models on the perf allowlist.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import pandas as pd
 
 from harness.analysis.fingerprint import group_key, is_failure, key_label
 from harness.analysis.matrix import column_records, with_config
+from harness.analysis.perfgate import PerfGate, format_gate, gate
 from harness.outcomes import NOT_THE_MODELS, severity
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
+from harness.speed import DEFAULT_THRESHOLD
 
 DEFAULT_DRIFT_FACTOR = 2.0
 
@@ -66,12 +71,19 @@ class DiffResult:
     added: list[Change] = field(default_factory=list)
     removed: list[Change] = field(default_factory=list)
     unchanged: int = 0
+    perf: PerfGate = field(default_factory=PerfGate)  # models timed (--perf) in both runs
 
     @property
     def regressions(self) -> list[Change]:
-        """What fails the gate: new failures, worse target outcomes, drift growth (allowlist excluded)."""
+        """The outcome and numeric regressions: new failures, worse target outcomes, drift growth (allowlist
+        excluded). Perf regressions are `perf.regressions`; `failed` is either."""
         worse = [c for c in self.outcome_changes if c.direction == "worse"]
         return [*self.new_failures, *worse, *self.drift_grew]
+
+    @property
+    def failed(self) -> bool:
+        """Whether the gate fails: a regression, or a perf regression."""
+        return bool(self.regressions or self.perf.regressions)
 
     def regression_groups(self) -> list[tuple[str, list[Change]]]:
         """Regressions grouped by the head row's failure fingerprint, biggest group first: 157 models
@@ -86,6 +98,8 @@ class DiffResult:
         out = dataclasses.asdict(self)
         out["regressions"] = [dataclasses.asdict(c) for c in self.regressions]
         out["n_regressions"] = len(self.regressions)
+        out["n_perf_regressions"] = len(self.perf.regressions)
+        out["perf"] = self.perf.to_dict()
         out["regression_groups"] = [
             {"group": g, "count": len(items), "models": sorted({c.model_id for c in items})}
             for g, items in self.regression_groups()
@@ -151,7 +165,7 @@ def _group(row: dict[str, Any] | None) -> str:
 
 
 _COLUMNS = ("model_id", "config", "outcome", "rmse_ratio", "unsupported_op", "error_type", "error_message",
-            "first_drift_module_type")
+            "first_drift_module_type", "perf")
 
 
 def _index(df: pd.DataFrame) -> dict[tuple[str, str], dict[str, Any]]:
@@ -175,13 +189,18 @@ def diff_runs(
     head_run: str = "",
     drift_factor: float = DEFAULT_DRIFT_FACTOR,
     flaky_allowlist: list[str] | None = None,
+    perf_threshold: float = DEFAULT_THRESHOLD,
+    perf_allowlist: dict[str, str] | None = None,
 ) -> DiffResult:
     """Classify every (model, target+settings) between two result frames; see the module docstring."""
     if drift_factor <= 1.0:
         raise ValueError(f"drift_factor must be > 1, got {drift_factor}")
     patterns = list(flaky_allowlist or [])
     base, head = _index(base_df), _index(head_df)
+    base, head = _one_to_one(base, head)
     res = DiffResult(base_run=base_run, head_run=head_run, drift_factor=drift_factor)
+    res.perf = gate([(k[0], k[1], base[k], head[k]) for k in sorted(base.keys() & head.keys())],
+                    threshold=perf_threshold, allowlist=perf_allowlist)
     for key in sorted(base.keys() | head.keys()):
         b, h = base.get(key), head.get(key)
         bo = None if b is None else str(b["outcome"])
@@ -238,6 +257,17 @@ def diff_runs(
         else:
             res.outcome_changes.append(ch)
     return res
+
+
+def _one_to_one(base: dict[tuple[str, str], Any], head: dict[tuple[str, str], Any]
+                ) -> tuple[dict[tuple[str, str], Any], dict[tuple[str, str], Any]]:
+    """Two runs of one configuration each, but different ones (named on purpose: --base RUN --head RUN, e.g.
+    without and with a setting) are compared model by model, under the label ``base config -> head config``."""
+    b_cfg, h_cfg = {k[1] for k in base}, {k[1] for k in head}
+    if len(b_cfg) != 1 or len(h_cfg) != 1 or b_cfg == h_cfg:
+        return base, head
+    label = f"{b_cfg.pop()} -> {h_cfg.pop()}"
+    return {(k[0], label): v for k, v in base.items()}, {(k[0], label): v for k, v in head.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,5 +428,9 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     section("known-flaky allowlist (not counted)", res.allowlisted)
     section("added", res.added)
     section("removed", res.removed)
-    lines.append("\nRESULT: " + (f"{n_reg} regression(s)" if n_reg else "no regressions"))
+    lines += format_gate(res.perf, limit=limit)
+    n_perf = len(res.perf.regressions)
+    verdict = [f"{n_reg} regression(s)"] if n_reg else []
+    verdict += [f"{n_perf} perf regression(s)"] if n_perf else []
+    lines.append("\nRESULT: " + (", ".join(verdict) if verdict else "no regressions"))
     return "\n".join(lines)

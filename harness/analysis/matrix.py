@@ -243,6 +243,48 @@ def op_coverage(
     return out
 
 
+PERF_COLUMNS = ("target_ms", "reference_ms", "ratio", "speedup", "device_peak_mb", "rounds")
+
+
+def perf_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One line per (model, config) timed with ``--perf``: the median latency on target and reference (ms),
+    target / reference, the compiled speedup (eager / compiled), the device's peak memory, the rounds timed."""
+    df = latest_per_key(df)
+    cols = ["model_id", "config", *PERF_COLUMNS]
+    if df.empty or "perf_target_s" not in df.columns:
+        return pd.DataFrame(columns=cols)
+    t = df[df["perf_target_s"].notna()]
+
+    def num(col: str, scale: float = 1.0) -> pd.Series:
+        v = pd.to_numeric(t[col], errors="coerce") if col in t.columns else pd.Series(float("nan"), index=t.index)
+        return (v * scale).map(lambda x: float(f"{x:.4g}") if x == x else None)
+
+    out = pd.DataFrame({"model_id": t["model_id"], "config": t["config"], "target_ms": num("perf_target_s", 1e3),
+                        "reference_ms": num("perf_ref_s", 1e3), "ratio": num("perf_ratio"),
+                        "speedup": num("perf_speedup"), "device_peak_mb": num("perf_peak_mem_mb"),
+                        "rounds": pd.to_numeric(t.get("perf_rounds"), errors="coerce").astype("Int64")})
+    return out.sort_values(["config", "model_id"], kind="stable").reset_index(drop=True)
+
+
+def perf_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration, over its models timed with ``--perf``: how many, and the geometric means of the
+    target latency, the target/reference ratio and the compiled speedup (the dashboards' per-night number)."""
+    from harness.speed import geomean
+
+    table = perf_table(df)
+    rows = []
+    for config, g in table.groupby("config", sort=True):
+        rows.append({"config": config, "models": len(g),
+                     "geomean_target_ms": _r(geomean(g["target_ms"])),
+                     "geomean_ratio": _r(geomean(g["ratio"])),
+                     "geomean_speedup": _r(geomean(g["speedup"]))})
+    return pd.DataFrame(rows, columns=["config", "models", "geomean_target_ms", "geomean_ratio", "geomean_speedup"])
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else float(f"{v:.4g}")
+
+
 SUPPORT = ("N", "CPU_FALLBACK", "Y")  # TorchNeuron's per-op marks, worst first
 
 

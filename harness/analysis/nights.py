@@ -26,6 +26,7 @@ from harness.analysis.baseline import (
     read_flaky,
     write_expected,
 )
+from harness.analysis.perfbase import perf_path, perf_rows, read_perf, write_perf
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -121,16 +122,38 @@ def update_baselines(db: str | os.PathLike, *, run_id: str | None = None, out: s
         if dest.parent.is_dir():
             files.check_writable(dest)
     for run, dest in runs:
-        rows = expected_rows(load_run(db, run["run_id"]))
-        write_expected(dest, run["config"], rows, command=f"portharness baseline update --db <merged.db> --out {dest}")
+        df = load_run(db, run["run_id"])
+        rows = expected_rows(df)
+        command = f"portharness baseline update --db <merged.db> --out {dest}"
+        write_expected(dest, run["config"], rows, command=command)
         lines.append(f"wrote {dest}: {len(rows)} models from run {run['run_id']} ({count_line(rows)})")
+        perfs = perf_rows(df)
+        if perfs:  # a run measured with --perf also sets the expected speed
+            write_perf(perf_path(dest), run["config"], perfs, command=command)
+            lines.append(f"wrote {perf_path(dest)}: the speed of {len(perfs)} models timed with --perf")
     return lines
 
 
 def check_baselines(db: str | os.PathLike, *, run_id: str | None = None, expected: str | os.PathLike | None = None,
-                    expected_dir: str | os.PathLike | None = None,
-                    flaky: str | os.PathLike | None = None) -> list[CheckResult]:
-    """`baseline check`: every (expected file, run) pair of :func:`runs_to_check`, checked."""
+                    expected_dir: str | os.PathLike | None = None, flaky: str | os.PathLike | None = None,
+                    perf_threshold: float = 1.2, perf_allowlist: dict[str, str] | None = None) -> list[CheckResult]:
+    """`baseline check`: every (expected file, run) pair of :func:`runs_to_check`, checked; with the perf
+    baseline beside an expected file (`harness.analysis.perfbase`), its speed too."""
     known = read_flaky(flaky) if flaky is not None else {}
-    return [check(exp, load_run(db, run["run_id"]), run_config=run["config"], run_id=run["run_id"], flaky=known)
-            for exp, run in runs_to_check(db, run_id=run_id, expected=expected, expected_dir=expected_dir)]
+    pairs = runs_to_check(db, run_id=run_id, expected=expected, expected_dir=expected_dir)
+    perfs = [_perf_baseline(exp) for exp, _ in pairs]  # every file read (and refused) before a run is loaded
+    return [check(exp, load_run(db, run["run_id"]), run_config=run["config"], run_id=run["run_id"], flaky=known,
+                  perf=perf, perf_threshold=perf_threshold, perf_allowlist=perf_allowlist)
+            for (exp, run), perf in zip(pairs, perfs, strict=True)]
+
+
+def _perf_baseline(exp: ExpectedFile) -> tuple[str, dict[str, dict[str, Any]]] | None:
+    """The perf baseline beside ``exp`` (None when there is none); ValueError when it names another configuration."""
+    path = perf_path(exp.path)
+    if not path.is_file():
+        return None
+    config, perfs = read_perf(path)
+    if config != exp.config:
+        raise ValueError(f"{path} is for {config.describe()}, but {exp.path} is for {exp.config.describe()}; "
+                         "regenerate it with `portharness baseline update`")
+    return str(path), perfs

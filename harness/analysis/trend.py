@@ -8,8 +8,9 @@ artifact or on a branch) and the report draws the trend from that file alone.
 A line: ``date``, ``run_id``, ``started_at``, ``list``, ``target``, ``settings``, ``config`` (the
 label the report uses), ``counts`` per outcome, ``total``, ``pass_pct``, and the headline ``ran_pct`` /
 ``matched_pct`` (:func:`harness.outcomes.headline`), plus ``groups``: ``[id, label, count]`` per
-failure fingerprint. Appending the same run again replaces its line, so a re-run CI job does not
-count a night twice.
+failure fingerprint, and ``perf`` when the run was timed (``--perf``): the models timed and the geometric
+means of target latency (ms), target/reference ratio and compiled speedup. Appending the same run again
+replaces its line, so a re-run CI job does not count a night twice.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pandas as pd
 from harness import files
 from harness.analysis.baseline import list_key
 from harness.analysis.fingerprint import group_failures
-from harness.analysis.matrix import outcome_counts, settings_label
+from harness.analysis.matrix import outcome_counts, perf_summary, settings_label
 from harness.analysis.nights import night_runs
 from harness.outcomes import headline
 from harness.results.store import ResultStore
@@ -53,7 +54,22 @@ def summarize(run: dict[str, Any], df: pd.DataFrame, *, date: str | None = None)
         "ran_pct": _round(head["ran_pct"]),
         "matched_pct": _round(head["matched_pct"]),
         "groups": [[g.id, g.label[:LABEL_CHARS], g.count] for g in group_failures(df)],
+        **_perf(df),
     }
+
+
+def _perf(df: pd.DataFrame) -> dict[str, Any]:
+    """The night's speed, for a run timed with --perf (one configuration: one line of `perf_summary`)."""
+    speed = perf_summary(df)
+    if speed.empty:
+        return {}
+    r = speed.iloc[0]
+    return {"perf": {"models": int(r["models"]), "geomean_target_ms": _num(r["geomean_target_ms"]),
+                     "geomean_ratio": _num(r["geomean_ratio"]), "geomean_speedup": _num(r["geomean_speedup"])}}
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None or v != v else float(v)
 
 
 def _pct(n: int, d: int) -> float | None:
@@ -143,9 +159,11 @@ def format_history(entries: list[dict[str, Any]]) -> str:
         lines.append(f"{config}")
         for n in nights:
             e = n.entry
+            perf = e.get("perf") or {}
+            speed = f"  target/reference {perf['geomean_ratio']:.3g}x ({perf['models']} timed)" if perf.get("geomean_ratio") else ""
             lines.append(f"  {e.get('date', '')}  {e['run_id']:<28} total {e.get('total', 0):>5}  "
                          f"pass {_fmt(e.get('pass_pct'))}  ran {_fmt(e.get('ran_pct'))}  "
-                         f"matched {_fmt(e.get('matched_pct'))}  groups {len(e.get('groups') or [])}")
+                         f"matched {_fmt(e.get('matched_pct'))}  groups {len(e.get('groups') or [])}{speed}")
             for label, count in n.appeared:
                 lines.append(f"      + {count} x {label}")
             for label, count in n.disappeared:
@@ -178,10 +196,16 @@ def append_night(db: str | os.PathLike, history: str | os.PathLike, *, date: str
 def format_markdown(entries: list[dict[str, Any]]) -> str:
     """A night's headline as a Markdown table (a CI job summary leads with it): ran % and numerics
     matched % per configuration, then pass % and the size of the night."""
-    lines = ["| configuration | ran % | matched % | pass % | models | failure groups |", "|---|---:|---:|---:|---:|---:|"]
+    timed = any(e.get("perf") for e in entries)
+    lines = ["| configuration | ran % | matched % | pass % | models | failure groups |"
+             + (" target/reference (geomean) |" if timed else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if timed else "")]
     for e in entries:
+        perf = e.get("perf") or {}
+        speed = (f" {perf['geomean_ratio']:.3g}x ({perf['models']} timed) |" if perf.get("geomean_ratio") else " - |"
+                 ) if timed else ""
         lines.append(f"| `{e['config']}` | {_md(e.get('ran_pct'))} | {_md(e.get('matched_pct'))} | "
-                     f"{_md(e.get('pass_pct'))} | {e.get('total', 0)} | {len(e.get('groups') or [])} |")
+                     f"{_md(e.get('pass_pct'))} | {e.get('total', 0)} | {len(e.get('groups') or [])} |{speed}")
     return "\n".join(lines) + "\n"
 
 

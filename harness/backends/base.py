@@ -13,7 +13,7 @@ import contextlib
 import os
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +173,66 @@ class Adapter:
         current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
         if current is not None and current.type == self.kind:
             accelerator.synchronize(torch.device(device))
+
+    # -- speed (--perf) ------------------------------------------------------------------------
+
+    def _memory_api(self, name: str):
+        """``name`` (max_memory_allocated, reset_peak_memory_stats) from the device module, else from
+        `torch.accelerator` when this is the current accelerator; None when neither has it."""
+        import torch
+
+        try:
+            module = torch.get_device_module(self.kind)
+        except (RuntimeError, AttributeError, ValueError):
+            module = None
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+        accelerator = getattr(torch, "accelerator", None)
+        current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+        fn = getattr(accelerator, name, None) if current is not None and current.type == self.kind else None
+        return fn if callable(fn) else None
+
+    def reset_peak_memory(self, device: str) -> None:
+        """Start a new peak for `peak_memory_mb` (nothing where the backend keeps no statistics)."""
+        import torch
+
+        fn = self._memory_api("reset_peak_memory_stats")
+        if fn is not None:
+            fn(torch.device(device))
+
+    def peak_memory_mb(self, device: str) -> float | None:
+        """The device's peak allocated memory since `reset_peak_memory` (MiB), or None where the backend
+        reports none (its device module's, or `torch.accelerator`'s, ``max_memory_allocated``)."""
+        import torch
+
+        fn = self._memory_api("max_memory_allocated")
+        if fn is None:
+            return None
+        try:
+            return int(fn(torch.device(device))) / 2**20
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None  # a device module that has the name but not the statistics
+
+    def perf_clock(self) -> tuple[str, Callable[[], float]]:
+        """The clock that measures this device's work on a step (`harness.run.perf`): the wall clock around a
+        synchronized step, the only one that sees an accelerator's time."""
+        import time
+
+        return "wall", time.perf_counter
+
+    def profiler_activity(self):
+        """The `torch.profiler.ProfilerActivity` that records this device's own time (CUDA, XPU, MTIA, HPU,
+        or PrivateUse1 for an out-of-tree backend that reports to the profiler), or None: the profile then
+        reads host time, which is the device's own only where its kernels run on the host."""
+        import torch
+        from torch.profiler import ProfilerActivity, supported_activities
+
+        if self.kind == "cpu":
+            return None  # the host's own time is always recorded
+        name = "PrivateUse1" if self.kind == torch._C._get_privateuse1_backend_name() else self.kind.upper()
+        activity = getattr(ProfilerActivity, name, None)
+        return activity if activity is not None and activity in supported_activities() else None
 
     def seed(self, seed: int) -> None:
         """Seed every device of this backend (a dead device fails here, before any model code)."""

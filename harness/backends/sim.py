@@ -1,21 +1,21 @@
 """Adapter for `sim`, the simulated young accelerator in `harness.sim`.
 
 The only module outside `harness/sim/` that knows sim's switches: its two precision modes, its op
-profiles and its injected device errors.
+profiles, its injected device errors, its planted numerics bugs and planted slowdowns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.backends.base import Adapter, OpCensus
 
 
 class SimAdapter(Adapter):
-    options = ("ops", "fault", "fallback", "numerics")
+    options = ("ops", "fault", "fallback", "numerics", "slow_ops")
     more_devices_hint = "; set PORTHARNESS_SIM_DEVICES to simulate more"
     precisions = ("default", "highest")
 
@@ -49,6 +49,13 @@ class SimAdapter(Adapter):
             bad = [k for k in out["numerics"].split(",") if k not in KINDS]
             if bad:
                 raise ValueError(f"--numerics-bug {','.join(bad)}: sim's planted bugs are {', '.join(KINDS)}")
+        if "slow_ops" in out:
+            from harness.sim.slowdown import parse_slow_ops
+
+            try:
+                parse_slow_ops(out["slow_ops"])
+            except ValueError as e:
+                raise ValueError(f"--slow-ops {out['slow_ops']!r}: {str(e).split(': ', 1)[-1]}") from None
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
@@ -82,6 +89,7 @@ class SimAdapter(Adapter):
             sim.op_profile(settings.get("ops", "young")),
             sim.fallback(settings.get("fallback", "off")),
             sim.numerics_bugs(*[k for k in settings.get("numerics", "").split(",") if k]),
+            sim.slow_ops(settings["slow_ops"]) if "slow_ops" in settings else contextlib.nullcontext(),
         ):
             yield
 
@@ -113,6 +121,14 @@ class SimAdapter(Adapter):
             seen = stop_trace()
             found.fallback = fallback_counts()
             found.native = sorted(seen - set(found.fallback))
+
+    def perf_clock(self) -> tuple[str, Callable[[], float]]:
+        """Thread CPU time: sim's kernels run to completion on the calling thread (one intra-op thread while
+        timing), so its CPU time is the device's work, planted slowdowns included (they spin), while other
+        processes on a shared host only stretch the wall clock."""
+        import time
+
+        return "thread-cpu", time.thread_time
 
     def is_device_fault(self, exc: BaseException) -> bool:
         from harness.sim import SimDeviceError

@@ -71,6 +71,14 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-op-check", dest="op_check", action="store_const", const="off", help="same as --op-check off")
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
+    p.add_argument("--slow-ops", dest="slow_ops", default=None, metavar="SPEC",
+                   help="sim: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower; comma-separated) to see "
+                        "the speed gate catch them")
+    p.add_argument("--perf", action="store_true",
+                   help="after the verdict, time the step on the target and the CPU reference (interleaved, "
+                        "synchronized), profile the target's ops, record the device's peak memory")
+    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=1.0, metavar="SECONDS",
+                   help="with --perf: seconds of timed rounds per model, after warm-up (default 1; at least 5 rounds)")
     _backend_option(p)
 
 
@@ -91,6 +99,15 @@ def _backend_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend-timeout", type=float, default=None, metavar="SECONDS",
                    help="deadline for importing the --backend modules (default 120; they are imported in a child "
                         "process first, so one that exits, crashes or hangs is named instead of taking the command down)")
+
+
+def _perf_gate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--perf-regression", type=float, default=1.2, metavar="FACTOR",
+                   help="models timed with --perf on both sides: a slowdown of at least FACTOR whose 95%% interval "
+                        "(both runs' own noise) is above 1 is a perf regression (default 1.2)")
+    p.add_argument("--perf-allowlist", default=None, metavar="FILE",
+                   help="known-noisy models whose perf regressions are reported but do not gate: "
+                        "'model-id-or-pattern  # why' per line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", choices=["arch", "task", "modality"], default=None, help="also print pass rates by this")
     p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
+    p.add_argument("--perf", action="store_true",
+                   help="print the speed of every model timed with --perf (and export it with --out instead of the matrix)")
     p.add_argument("--out", default=None, help="export the matrix (.csv, .json, .parquet)")
     p.set_defaults(func=cmd_matrix)
 
@@ -157,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
     p.add_argument("--night", action="store_true",
                    help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
+    _perf_gate_options(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_diff)
 
@@ -255,6 +275,7 @@ def _nightly_parsers(sub: Any) -> None:
     g.add_argument("--expected", help="expected file")
     g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
     p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
+    _perf_gate_options(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")

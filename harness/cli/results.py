@@ -28,22 +28,32 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         print_frame(f"pass rate by {args.by}", rates.drop(columns=empty))
     if args.ops:
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
+    speed = mx.perf_summary(df)
+    if not speed.empty:
+        print_frame("speed (--perf): geometric means per configuration", speed)
+    if args.perf:
+        print_frame("speed per model (median ms; ratio = target / reference, per interleaved round)", mx.perf_table(df))
     if args.out:
-        print(f"\nwrote {mx.export(mat, args.out)}")
+        print(f"\nwrote {mx.export(mx.perf_table(df) if args.perf else mat, args.out)}")
     return 0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from harness.analysis.diff import diff_runs, format_summary, load_allowlist, resolve_runs
+    from harness.analysis.perfgate import read_allowlist
     from harness.console import terminal_text
 
+    if not args.perf_regression > 1:
+        raise ValueError(f"--perf-regression {args.perf_regression}: must be > 1 (1.2 = 20% slower)")
+    perf_allowlist = read_allowlist(args.perf_allowlist)  # before anything is read or printed
     (base_id, base_df), (head_id, head_df) = resolve_runs(
         db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
-                    flaky_allowlist=load_allowlist(args.flaky_allowlist))
+                    flaky_allowlist=load_allowlist(args.flaky_allowlist), perf_threshold=args.perf_regression,
+                    perf_allowlist=perf_allowlist)
     print(json.dumps(res.to_dict(), indent=1) if args.json else terminal_text(format_summary(res)))
-    return 1 if res.regressions else 0
+    return 1 if res.failed else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -80,8 +90,13 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     if args.baseline_command == "update":
         print("\n".join(nights.update_baselines(args.db, run_id=args.run, out=args.out, out_dir=args.out_dir)))
         return 0
+    from harness.analysis.perfgate import read_allowlist
+
+    if not args.perf_regression > 1:
+        raise ValueError(f"--perf-regression {args.perf_regression}: must be > 1 (1.2 = 20% slower)")
     results = nights.check_baselines(args.db, run_id=args.run, expected=args.expected,
-                                     expected_dir=args.expected_dir, flaky=args.flaky)
+                                     expected_dir=args.expected_dir, flaky=args.flaky,
+                                     perf_threshold=args.perf_regression, perf_allowlist=read_allowlist(args.perf_allowlist))
     ok = all(r.ok for r in results)
     out = {"ok": ok, "checks": [r.to_dict() for r in results]}
     print(json.dumps(out, indent=1) if args.json else terminal_text("\n\n".join(format_check(r) for r in results)))

@@ -29,7 +29,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     else:
         adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params"):
+    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params", "slow_ops"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.dtype not in (None, "fp32"):
@@ -44,7 +44,8 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
     config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
                        load_timeout_s=args.load_timeout,
-                       mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize, **overrides)
+                       mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize,
+                       perf=args.perf, perf_budget_s=args.perf_budget, **overrides)
     config.validate()
     return config
 

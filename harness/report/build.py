@@ -28,6 +28,7 @@ from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.collectives import collective_faults_view, collectives_view
 from harness.report.nightly import groups_view, regression_groups_view, trend_view
 from harness.report.parallel import in_parallel, page_workers
+from harness.report.perf import perf_diff_view, perf_row_view, speed_view
 from harness.report.views import (
     diff_view,
     drift_view,
@@ -168,7 +169,12 @@ def _base_rows(store: ResultStore, run_ids: list[str], hist: pd.DataFrame | None
         if not store.has_run(rid):
             store.results(rid)  # StoreError naming the recent runs
     hist = store.history() if hist is None else hist
-    return hist[hist["run_id"].isin(run_ids)].reset_index(drop=True)
+    rows = hist[hist["run_id"].isin(run_ids)].reset_index(drop=True)
+    perf = store.perf(run_ids)  # the speed gate's measurements (--perf runs only)
+    if perf.empty:
+        return rows
+    key = ["run_id", "model_id", "target", "settings_json"]
+    return rows.merge(perf[[*key, "perf"]], on=key, how="left")
 
 
 def _resolve_base(store: ResultStore, run_id: str, base_run: str | None, base_db: str | os.PathLike | None,
@@ -309,7 +315,8 @@ def _render_index(
     site: _Site, data: _RunData, configs: list[str], res: DiffResult | None, hrefs: dict[str, str]
 ) -> None:
     site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res),
-                groups=groups_view(group_failures(data.df), hrefs))
+                groups=groups_view(group_failures(data.df), hrefs), speed=speed_view(data.df, hrefs),
+                perf_regressions=len(res.perf.regressions) if res is not None else 0)
 
 
 def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
@@ -392,7 +399,7 @@ def _render_models(
             page = template.render(
                 shared,
                 model_id=model,
-                rows=[row_view(r) for r in sorted(rows, key=lambda r: r["config"])],
+                rows=[{**row_view(r), "perf": perf_row_view(r.get("perf"))} for r in sorted(rows, key=lambda r: r["config"])],
                 history=history.get(model, []),
             )
             with open(new / hrefs[model].removeprefix("models/"), "w", encoding="utf-8") as f:
@@ -450,7 +457,8 @@ def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | 
         _render_collectives(site, data)
         _render_collective_faults(site, data)
         if res is not None and base is not None:
-            diff = {**diff_view(res, hrefs), "groups": regression_groups_view(res, hrefs)}
+            diff = {**diff_view(res, hrefs), "groups": regression_groups_view(res, hrefs),
+                    "perf": perf_diff_view(res.perf, hrefs)}
             site.render("diff.html", "diff.html", diff=diff, base_from=base[2])
         if entries is not None:
             site.render("trend.html", "trend.html", **trend_view(entries))

@@ -6,6 +6,7 @@ each module stays small.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from harness.analysis.diff import DiffResult
@@ -51,6 +52,19 @@ def groups_view(groups: list[FailureGroup], hrefs: dict[str, str], *, limit: int
 
 
 _TREND_SERIES = (("pass %", "pass", "pass_pct"), ("ran %", "ran", "ran_pct"), ("matched %", "matched", "matched_pct"))
+_SPEED_SERIES = (("target/reference", "ratio", "geomean_ratio"), ("compiled speedup", "speedup", "geomean_speedup"))
+
+
+def _speed_chart(labels: list[str], nights: list[Any]) -> Any:
+    """The geometric means of a configuration's nights timed with --perf (None when none was)."""
+    values = [(name, cls, [as_number((n.entry.get("perf") or {}).get(key)) for n in nights])
+              for name, cls, key in _SPEED_SERIES]
+    values = [v for v in values if any(x is not None for x in v[2])]
+    if not values:
+        return None
+    top = max(x for _, _, xs in values for x in xs if x is not None)
+    y_max = 2.0 ** max(0, math.ceil(math.log2(max(top, 1e-9) * 1.1)))  # 1, 2, 4...: quarter ticks read well
+    return svg_lines(labels, values, y_max=y_max, unit="x")
 
 
 def trend_view(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -74,10 +88,13 @@ def trend_view(entries: list[dict[str, Any]]) -> dict[str, Any]:
                 "ran": fmt(n.entry.get("ran_pct")),
                 "matched": fmt(n.entry.get("matched_pct")),
                 "n_groups": len(n.entry.get("groups") or []),
+                "ratio": fmt((n.entry.get("perf") or {}).get("geomean_ratio")),
+                "timed": (n.entry.get("perf") or {}).get("models", ""),
                 "appeared": n.appeared,
                 "disappeared": n.disappeared,
             }
             for label, n in zip(labels, nights, strict=True)
         ]
-        configs.append({"config": config, "n": len(nights), "svg": svg_lines(labels, values), "nights": rows[::-1]})
+        configs.append({"config": config, "n": len(nights), "svg": svg_lines(labels, values),
+                        "speed_svg": _speed_chart(labels, nights), "nights": rows[::-1]})
     return {"configs": configs, "n_entries": len(entries)}

@@ -350,3 +350,47 @@ def svg_steps(steps: Sequence[tuple[int, float | None, float | None]], *, first_
                  "decoding step (0: the prompt's forward; from 1: through the cache)</text>")
     parts.append("</svg>")
     return Markup("".join(parts))
+
+
+def svg_spread(items: Sequence[dict[str, Any]], *, width: int = 720, unit: str = "ms") -> Markup:
+    """Box plots on one linear axis from 0: per item (label, min, q1, median, q3, max; lo/hi: the median's
+    interval, drawn as a band), the whiskers cut at q3 + 3 IQR so a burst of other work does not squash the
+    boxes (a cut whisker ends in an arrow; its tooltip has the real maximum)."""
+    rows = [i for i in items if all(as_number(i.get(k)) is not None for k in ("min", "q1", "median", "q3", "max"))]
+    if not rows:
+        return Markup('<p class="empty">no timings to plot</p>')
+    row_h, ml, mr, mt, mb = 28, 110, 20, 8, 26
+    height = mt + mb + row_h * len(rows)
+    cap = {id(i): float(i["q3"]) + 3 * (float(i["q3"]) - float(i["q1"])) for i in rows}
+    vmax = max(min(float(i["max"]), cap[id(i)]) for i in rows) * 1.05 or 1.0
+    pw = width - ml - mr
+
+    def x(v: float) -> float:
+        return ml + min(max(v, 0.0), vmax) / vmax * pw
+
+    parts = [f'<svg class="spread" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+             f'width="{width}" height="{height}" role="img" aria-label="timing spread per step">']
+    for n, it in enumerate(rows):
+        y = mt + n * row_h
+        yc = y + row_h / 2
+        mn, q1, med, q3, mx = (float(it[k]) for k in ("min", "q1", "median", "q3", "max"))
+        hi_end = min(mx, cap[id(it)])
+        label = html.escape(str(it["label"]))
+        tip = html.escape(f"{it['label']}: median {med:.3g} {unit}, IQR {q1:.3g}-{q3:.3g}, min {mn:.3g}, max {mx:.3g}")
+        parts.append(f'<text class="label" x="{ml - 6}" y="{yc + 4:.1f}" text-anchor="end">{label}</text>')
+        parts.append(f'<line class="whisker" x1="{x(mn):.1f}" y1="{yc}" x2="{x(hi_end):.1f}" y2="{yc}"/>')
+        if hi_end < mx:
+            parts.append(f'<text class="label" x="{x(hi_end) + 2:.1f}" y="{yc + 4:.1f}">›</text>')
+        parts.append(f'<rect class="box" x="{x(q1):.1f}" y="{y + 5}" width="{max(x(q3) - x(q1), 1):.1f}" '
+                     f'height="{row_h - 10}"><title>{tip}</title></rect>')
+        lo, hi = as_number(it.get("lo")), as_number(it.get("hi"))
+        if lo is not None and hi is not None:
+            parts.append(f'<rect class="interval" x="{x(lo):.1f}" y="{y + 9}" width="{max(x(hi) - x(lo), 1):.1f}" '
+                         f'height="{row_h - 18}"/>')
+        parts.append(f'<line class="median" x1="{x(med):.1f}" y1="{y + 3}" x2="{x(med):.1f}" y2="{y + row_h - 3}"/>')
+    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
+        v = frac * vmax
+        parts.append(f'<text class="label" x="{x(v):.1f}" y="{height - 8}" text-anchor="middle">{v:.3g}</text>')
+    parts.append(f'<text class="label" x="{ml - 6}" y="{height - 8}" text-anchor="end">{html.escape(unit)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))

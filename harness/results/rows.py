@@ -21,7 +21,7 @@ from typing import Any
 # The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
 # the cache has {"s": 0, "cached": true}).
-PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize")
+PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "perf")
 
 
 @dataclass(kw_only=True)
@@ -101,6 +101,15 @@ class Measurement:
     peak_rss_mb: float | None = None
     phases: dict = field(default_factory=dict)  # phase (PHASES) -> {"s": seconds, "peak_rss_mb": MB}
     oracle: str = ""  # which fp64 rule judged it: fp64-copy, fp64-streamed, none (why)
+    # --perf (harness.run.perf): the step timed after the verdict; medians here, the summaries
+    # (harness.speed.summarize), the op profile and any failure in `perf`
+    perf_target_s: float | None = None  # the target's step, synchronized
+    perf_ref_s: float | None = None  # the same step on the CPU reference
+    perf_ratio: float | None = None  # target / reference, median over interleaved rounds (what gates)
+    perf_speedup: float | None = None  # eager / compiled on the target (with --compile)
+    perf_rounds: int | None = None  # timed rounds (every step once per round)
+    perf_peak_mem_mb: float | None = None  # the device's peak allocated memory while timed (where it reports one)
+    perf: dict = field(default_factory=dict)
     ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
     ref_key: str = ""  # its reference-cache key
 

@@ -403,9 +403,14 @@ class ResultStore:
             )
         return frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types)
 
+    def _result_columns(self) -> set[str]:
+        """The results table's columns (a read-only DB from before a column was added lacks it)."""
+        return {r["name"] for r in self._query("SELECT name FROM pragma_table_info('results')")}
+
     def history(self, model_id: str | None = None) -> pd.DataFrame:
         """Light per-run outcome history (no tracebacks/metrics), oldest run first: cheap across many nights."""
-        cols = "x.run_id, x.model_id, x.target, x.settings, x.outcome, x.rmse_ratio, x.error_type, x.unsupported_op"
+        perf = "x.perf_ratio" if "perf_ratio" in self._result_columns() else "NULL AS perf_ratio"
+        cols = f"x.run_id, x.model_id, x.target, x.settings, x.outcome, x.rmse_ratio, x.error_type, x.unsupported_op, {perf}"
         sql = f"SELECT {cols}, r.started_at AS run_started_at, r.list_name FROM results x JOIN runs r USING (run_id)"
         params: tuple = ()
         if model_id is not None:
@@ -421,8 +426,20 @@ class ResultStore:
             "rmse_ratio",
             "error_type",
             "unsupported_op",
+            "perf_ratio",
         ]
         return frame(rows, [*names, "run_started_at", "list_name"], {})
+
+    def perf(self, run_ids: list[str]) -> pd.DataFrame:
+        """The ``perf`` measurements of these runs' rows (run_id, model_id, target, settings, perf): what the
+        speed gate compares, without the rest of the rows."""
+        cols = ["run_id", "model_id", "target", "settings", "perf"]
+        if not run_ids or "perf" not in self._result_columns():
+            return frame([], cols, {"perf": dict})
+        marks = ", ".join("?" * len(run_ids))
+        rows = self._query(f"SELECT {', '.join(cols)} FROM results WHERE run_id IN ({marks}) AND perf IS NOT NULL "
+                           "AND perf NOT IN ('', '{}')", tuple(run_ids))
+        return frame(rows, cols, {"perf": dict})
 
     def collectives(self, run_id: str | None = None) -> pd.DataFrame:
         """Collective benchmark rows (all runs if ``run_id`` is None), settings decoded."""

@@ -38,6 +38,7 @@ from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
 from harness.run.opcheck import OpJudge
 from harness.run.oracle import COPY_MAX_PARAMS, n_params
+from harness.run.perf import DEFAULT_BUDGET_S, measure_model
 from harness.run.refcache import RefCache
 from harness.run.reference import ReferenceSide, Stop, reference_side
 from harness.run.repro import describe, repro_preamble, write_repro
@@ -58,6 +59,8 @@ class Task:
     repro_dir: str = ""  # where the first diverging op's standalone repro goes ("" = none)
     backends: list[str] = field(default_factory=list)  # modules the repro imports to get the backend
     ref_cache: str = ""  # reference cache directory ("" = none: the reference side is computed)
+    perf: bool = False  # time the step after the verdict (harness.run.perf)
+    perf_budget_s: float = DEFAULT_BUDGET_S
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
@@ -88,15 +91,21 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measur
 
 def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    after: list[Callable[[], dict[str, Any]]] = []
     try:
-        _phases(entry, task, tol, clock, out)
+        _phases(entry, task, tol, clock, out, after)
     except Stop as stop:
         return {**out, **stop.fields}
+    for timing in after:  # speed, once the verdict is complete
+        with clock.phase("perf"):
+            out.update(timing())
     return out
 
 
-def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any]) -> None:
-    """The phases, writing the row's fields into `out` (`Stop` where the row ends early)."""
+def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any],
+            after: list[Callable[[], dict[str, Any]]]) -> None:
+    """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
+    the verdict goes into `after`."""
     device = task.target
     adapter = adapter_for(device)
     mode = mode_for(task.settings)
@@ -121,7 +130,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     # reference side needs no CPU copy for localization: the rare drift rebuilds it (`_cpu_models`).
     params = n_params(model)
     localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
-    keep_cpu = mode.keeps_cpu_model or (params <= COPY_MAX_PARAMS and task.localize and not side.cached)
+    keep_cpu = mode.keeps_cpu_model or (params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
     judge = _judge(device, declared, task.settings.get("op_check", "auto"), params)
     with clock.phase("target"):
         target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge, copy_model=keep_cpu)
@@ -129,6 +138,8 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         model = None
     judge = target.judge
     out["_target_s"] = target.seconds
+    if task.perf:
+        after.append(_perf(side.plan, model, target, device, adapter, task))
 
     with clock.phase("compare"):
         ref, oracle, expected, tol = mode.before_compare(model, side.ref, target.out, side.oracle, side.expected, tol)
@@ -206,6 +217,14 @@ def _cpu_models(entry: ModelEntry, task: Task, side: ReferenceSide, model: torch
         inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
         mode_for(task.settings).rebuild(model, loaded, entry, inputs, task.seed, side.plan.fields)
     return model, copy.deepcopy(model).double() if side.oracle_rule == "fp64-copy" else None
+
+
+def _perf(plan, cpu_model, target, device, adapter, task) -> Callable[[], dict[str, Any]]:
+    """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
+    of the CPU model of a checkpoint that moved to the device in place). A compiled configuration
+    (``--compile``, issue 20's ``compile`` setting) also times the step eagerly: the speedup."""
+    return lambda: measure_model(plan, cpu_model, target, device, adapter, task.settings, task.perf_budget_s,
+                                 compiled=bool(task.settings.get("compile")))
 
 
 def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:

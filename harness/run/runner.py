@@ -27,6 +27,7 @@ from harness.run import policy
 from harness.run.attribution import CAP_TOO_SMALL
 from harness.run.executor import death as _death
 from harness.run.executor import make_pool
+from harness.run.perf import HARD_CAP
 from harness.run.pipeline import Task
 from harness.run.pool import Event, ExecutorError, Worker
 from harness.run.worker import task_payload
@@ -59,6 +60,8 @@ class RunConfig:
     rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
     executor: str = "local"  # local: worker processes on this host; ray: one actor per device of a Ray cluster
     ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
+    perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
+    perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.perf.DEFAULT_BUDGET_S)
 
 
     def validate(self) -> None:
@@ -77,6 +80,10 @@ class RunConfig:
             (self.startup_timeout_s > 0, f"startup timeout {self.startup_timeout_s}: must be > 0"),
             (self.rerun_flaky >= 0, f"--rerun-flaky {self.rerun_flaky}: must be >= 0"),
             (0 <= self.seed < 2**32, f"--seed {self.seed}: must be from 0 to 2**32 - 1 (the random generators' range)"),
+            (0 < self.perf_budget_s <= 600, f"--perf-budget {self.perf_budget_s}: must be > 0 and at most 600 seconds"),
+            (not self.perf or self.perf_budget_s * HARD_CAP < self.timeout_s,
+             f"--perf-budget {self.perf_budget_s}: a slow model may take {HARD_CAP:g}x that, past --timeout "
+             f"{self.timeout_s:g}; raise --timeout or lower the budget"),
         ]
         for ok, message in checks:
             if not ok:
@@ -417,7 +424,8 @@ class _Run:
     def _send(self, w: Worker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
-                    backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "")
+                    backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
+                    perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

@@ -1,0 +1,199 @@
+"""The statistics of speed: one run's timing samples summarized, two runs' summaries compared.
+
+Pure functions (numbers in, numbers out), shared by the measurement (`harness.run.perf`) and the gates
+(`harness.analysis.perfgate`), so every place that says "slower" means the same thing.
+
+Why these statistics. A shared machine's load swings a model's latency by tens of percent from one run
+to the next, and within a run someone else's burst lands on a few iterations:
+
+- each run is summarized by its **median** (a burst moves a few samples, not the median) and the
+  **distribution-free interval of the median** from the order statistics (the binomial ranks: exact for any
+  distribution, and honest at the few rounds a slow model gets on a busy machine, where a bootstrap's
+  interval comes out too narrow), plus the quartiles a reader sees as the spread;
+- where the target and the CPU reference are both timed, they run **interleaved**, one round each in
+  turn, and the quantity that gates is the **per-round target/reference ratio**: load that slows the
+  machine for a moment slows both halves of a round, and cancels in their ratio;
+- two runs are compared by the **ratio of their medians** with an interval that adds both runs' own
+  noise (on the log scale their variances add: the runs are independent). A run is a **regression** only
+  when the slowdown reaches the threshold (``--perf-regression``, 1.2) **and** the interval's lower end
+  is above 1: a slowdown that large which the two runs' own spread cannot explain.
+
+Summaries, not samples, are compared: the history, a committed perf baseline and a result row all keep
+the summary, so the same test runs on each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+CONFIDENCE = 0.95
+DEFAULT_THRESHOLD = 1.2
+
+
+def _z(confidence: float) -> float:
+    from scipy.stats import norm
+
+    return float(norm.ppf(0.5 + confidence / 2))
+
+
+def median_ranks(n: int, confidence: float = CONFIDENCE) -> tuple[int, int]:
+    """0-based ranks (lo, hi) of the sorted samples that bound the median with at least ``confidence``
+    (P(Binomial(n, 1/2) < lo + 1) <= alpha / 2 on each side); (0, n - 1) when n is too small for that
+    (5 samples: 94%)."""
+    from scipy.stats import binom
+
+    k = int(binom.ppf((1 - confidence) / 2, n, 0.5))  # smallest k with P(B <= k) >= alpha / 2
+    lo = max(0, k - 1)
+    return lo, n - 1 - lo
+
+
+def summarize(samples: Sequence[float], *, confidence: float = CONFIDENCE) -> dict[str, float | int]:
+    """``{median, q1, q3, lo, hi, min, max, n}`` of positive timing samples (seconds, or a ratio); ``lo``/``hi``
+    bound the median at ``confidence`` (`median_ranks`). ValueError when no sample is finite and positive."""
+    x = np.asarray([s for s in samples if s is not None], dtype=float)
+    x = np.sort(x[np.isfinite(x) & (x > 0)])
+    if x.size == 0:
+        raise ValueError("no finite positive timing samples to summarize")
+    median = float(np.median(x))
+    q1, q3 = (float(v) for v in np.percentile(x, [25, 75]))
+    lo, hi = median_ranks(int(x.size), confidence)
+    return {"median": median, "q1": q1, "q3": q3, "lo": min(float(x[lo]), median), "hi": max(float(x[hi]), median),
+            "min": float(x[0]), "max": float(x[-1]), "n": int(x.size)}
+
+
+def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Per-round ratios of two interleaved series (rounds where either is missing or not positive are left out)."""
+    return [a / b for a, b in zip(num, den, strict=False) if a and b and a > 0 and b > 0]
+
+
+def _log_se(s: Mapping[str, Any], z: float) -> float:
+    """Standard error of log(median) from a summary's interval (0 when the samples did not vary)."""
+    lo, hi = float(s.get("lo") or 0), float(s.get("hi") or 0)
+    if lo <= 0 or hi <= 0:
+        return math.inf
+    return (math.log(hi) - math.log(lo)) / (2 * z)
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Head against base: ``slowdown`` = head median / base median (> 1: slower), with its interval."""
+
+    slowdown: float
+    lo: float
+    hi: float
+    regressed: bool  # slowdown >= threshold and lo > 1
+    faster: bool  # slowdown <= 1/threshold and hi < 1
+
+    def describe(self) -> str:
+        if self.slowdown >= 1:
+            return f"{self.slowdown:.2f}x slower [{self.lo:.2f}-{self.hi:.2f}]"
+        return f"{1 / self.slowdown:.2f}x faster [{self.lo:.2f}-{self.hi:.2f} of the base time]"
+
+
+def compare(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, threshold: float = DEFAULT_THRESHOLD,
+            confidence: float = CONFIDENCE) -> Shift | None:
+    """Compare two summaries (`summarize`) of the same quantity; None when either has no positive median."""
+    if threshold <= 1:
+        raise ValueError(f"perf regression threshold must be > 1, got {threshold}")
+    if not base or not head:
+        return None
+    b, h = float(base.get("median") or 0), float(head.get("median") or 0)
+    if not (b > 0 and h > 0 and math.isfinite(b) and math.isfinite(h)):
+        return None
+    z = _z(confidence)
+    r = h / b
+    se = math.hypot(_log_se(base, z), _log_se(head, z))
+    lo, hi = (0.0, math.inf) if math.isinf(se) else (r * math.exp(-z * se), r * math.exp(z * se))
+    return Shift(r, lo, hi, regressed=r >= threshold and lo > 1, faster=r <= 1 / threshold and hi < 1)
+
+
+def geomean(values: Iterable[Any]) -> float | None:
+    """Geometric mean of the finite positive values (None when there are none): the dashboards' average of
+    per-model ratios, which a single 10x outlier does not dominate as it would an arithmetic mean."""
+    logs = []
+    for v in values:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f) and f > 0:
+            logs.append(math.log(f))
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Which ops got slower
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpShift:
+    op: str
+    base_us: float  # per step, scaled to the head run's machine speed
+    head_us: float
+    share: float  # of the time the head run added (head total - scaled base total)
+
+    @property
+    def factor(self) -> float:
+        return self.head_us / self.base_us if self.base_us > 0 else math.inf
+
+
+def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, scale: float = 1.0) -> list[OpShift]:
+    """Per op, its self time per step in both profiles (``{"ops": [[op, us], ...], "total_us": us}``), the ops
+    that added the most time first. ``scale`` multiplies the base's times: the head run's machine speed
+    relative to the base run's (the CPU reference's median latency, head over base), so that a machine
+    that was merely busier does not make every op look slower. [] when a profile is missing or nothing
+    was added."""
+    if not base or not head or not base.get("ops") or not head.get("ops"):
+        return []
+    b_ops = {k: float(v) * scale for k, v in _pairs(base["ops"])}
+    h_ops = {k: float(v) for k, v in _pairs(head["ops"])}
+    added = float(head.get("total_us") or sum(h_ops.values())) - float(base.get("total_us") or sum(b_ops.values())) * scale
+    if added <= 0:
+        return []
+    out = [OpShift(op, b_ops.get(op, 0.0), h_ops.get(op, 0.0), (h_ops.get(op, 0.0) - b_ops.get(op, 0.0)) / added)
+           for op in b_ops.keys() | h_ops.keys()]
+    return sorted((s for s in out if s.head_us > s.base_us), key=lambda s: (-s.share, s.op))
+
+
+def _pairs(ops: Any) -> list[tuple[str, float]]:
+    return list(ops.items()) if isinstance(ops, Mapping) else [(str(k), float(v)) for k, v in ops]
+
+
+def explain(shift: Shift, ops: list[OpShift], *, scale: float = 1.0, base: Mapping[str, Any] | None = None,
+            head: Mapping[str, Any] | None = None) -> str:
+    """``1.62x slower [1.55-1.70]; aten::_softmax self time 4.1x (62% of the added time)``; when every op
+    grew about alike, says so and names the largest contributor instead."""
+    text = shift.describe()
+    if not ops:
+        return text + ("; the op profiles do not show the added time" if base and head else "; no op profile to compare")
+    top = ops[0]
+    what = "new in this run" if math.isinf(top.factor) else f"{top.factor:.1f}x"
+    overall = _overall(base, head, scale)
+    if overall is not None and not math.isinf(top.factor) and top.factor <= overall * 1.1:
+        return f"{text}; slower across ops (largest added: {top.op} {what}, {top.share:.0%} of the added time)"
+    # other ops' noise can shrink the added time below this op's own growth: never more than all of it
+    return f"{text}; {top.op} self time {what} ({min(top.share, 1.0):.0%} of the added time)"
+
+
+def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, scale: float) -> float | None:
+    if not base or not head:
+        return None
+    b, h = float(base.get("total_us") or 0) * scale, float(head.get("total_us") or 0)
+    return h / b if b > 0 and h > 0 else None
+
+
+def top_ops(self_us: Mapping[str, float], *, min_share: float = 0.001, limit: int = 40) -> list[list[Any]]:
+    """The ops worth keeping from a profile: ``[op, µs]`` pairs with at least ``min_share`` of the self time,
+    at most ``limit``, largest first (a row keeps this, not the whole profile; a list keeps the order
+    through JSON, whose objects the store writes with sorted keys)."""
+    total = sum(v for v in self_us.values() if v > 0)
+    if total <= 0:
+        return []
+    kept = sorted(((k, v) for k, v in self_us.items() if v >= min_share * total), key=lambda kv: (-kv[1], kv[0]))
+    return [[k, round(v, 1)] for k, v in kept[:limit]]
