@@ -99,8 +99,14 @@ class Adapter:
             )
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
-                           "mode", *self.options):
+                           "mode", "compile", "dynamic", "amp", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
+        if "amp" in out:
+            import torch
+
+            self.load()
+            if not torch.amp.is_autocast_available(self.kind):
+                raise ValueError(f"--amp {out['amp']}: torch.autocast does not support the {self.kind} device type")
         return out
 
     def declared_precision(self, settings: dict[str, Any]) -> str:
@@ -114,6 +120,11 @@ class Adapter:
         """Python lines a standalone repro runs after importing torch and the backend, to apply `settings`."""
         precision = settings.get("precision", "default")
         return [f"torch.set_float32_matmul_precision({precision!r})"] if precision != "default" else []
+
+    def compile_cache_tag(self) -> str:
+        """What names this backend's own code generator in compile-cache directories ("" : torch's only).
+        Inductor's cache key covers torch's code, not a generator registered from outside it."""
+        return ""
 
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         """Environment a worker needs for `settings` (switches a backend reads when it loads)."""

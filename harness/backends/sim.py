@@ -15,7 +15,7 @@ from harness.backends.base import Adapter, OpCensus
 
 
 class SimAdapter(Adapter):
-    options = ("ops", "fault", "fallback", "numerics")
+    options = ("ops", "fault", "fallback", "numerics", "compiler_bug")
     more_devices_hint = "; set PORTHARNESS_SIM_DEVICES to simulate more"
     precisions = ("default", "highest")
 
@@ -49,6 +49,15 @@ class SimAdapter(Adapter):
             bad = [k for k in out["numerics"].split(",") if k not in KINDS]
             if bad:
                 raise ValueError(f"--numerics-bug {','.join(bad)}: sim's planted bugs are {', '.join(KINDS)}")
+        if "compiler_bug" in out:
+            if "compile" not in out or not str(out["compile"]).startswith("inductor"):
+                raise ValueError(f"--compiler-bug {out['compiler_bug']}: sim plants it in Inductor's generated code; "
+                                 "add --compile inductor")
+            from harness.sim.inductor import COMPILER_BUGS
+
+            if out["compiler_bug"] not in COMPILER_BUGS:
+                raise ValueError(f"--compiler-bug {out['compiler_bug']!r}: sim's planted compiler bugs are "
+                                 f"{', '.join(COMPILER_BUGS)}")
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
@@ -69,6 +78,15 @@ class SimAdapter(Adapter):
         # faults are read when sim loads in the worker, so they travel as its environment
         return {"PORTHARNESS_SIM_FAULTS": settings["fault"]} if settings.get("fault") else {}
 
+    def compile_cache_tag(self) -> str:
+        # Inductor's key does not cover sim's code generator (harness/sim/inductor.py): its source names it
+        import hashlib
+        from pathlib import Path
+
+        import harness.sim as sim
+
+        return "sim-" + hashlib.sha256(Path(sim.__file__).with_name("inductor.py").read_bytes()).hexdigest()[:12]
+
     @contextlib.contextmanager
     def apply(self, settings: dict[str, Any]) -> Iterator[None]:
         import harness.sim as sim
@@ -78,6 +96,7 @@ class SimAdapter(Adapter):
             sim.op_profile(settings.get("ops", "young")),
             sim.fallback(settings.get("fallback", "off")),
             sim.numerics_bugs(*[k for k in settings.get("numerics", "").split(",") if k]),
+            _compiler_bug(settings.get("compiler_bug", "")),
         ):
             yield
 
@@ -114,3 +133,15 @@ class SimAdapter(Adapter):
         from harness.sim import SimDeviceError
 
         return isinstance(exc, SimDeviceError)
+
+
+@contextlib.contextmanager
+def _compiler_bug(kind: str) -> Iterator[None]:
+    """sim's planted compiler bug in what Inductor generates (none: Inductor is not even imported)."""
+    if not kind:
+        yield
+        return
+    from harness.sim.inductor import compiler_bugs
+
+    with compiler_bugs(kind):
+        yield

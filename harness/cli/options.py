@@ -63,7 +63,26 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-op-check", dest="op_check", action="store_const", const="off", help="same as --op-check off")
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
+    _config_options(p)
     _backend_option(p)
+
+
+def _config_options(p: argparse.ArgumentParser) -> None:
+    """Compiled and mixed-precision configurations of the target (harness.run.configs)."""
+    p.add_argument("--compile", default=None, metavar="BACKEND[:MODE]",
+                   help="run the target compiled: torch.compile with this torch._dynamo backend (inductor, aot_eager, "
+                        "eager, or a vendor's) and Inductor mode (e.g. inductor:max-autotune); the reference is unchanged")
+    p.add_argument("--dynamic", action="store_true", help="with --compile: torch.compile(dynamic=True)")
+    p.add_argument("--amp", default=None, choices=["bf16", "fp16"],
+                   help="run the target's step under torch.autocast(<device>, dtype); the expected reference under "
+                        "torch.autocast('cpu', dtype) (contracts amp-bf16, amp-fp16); fp16 training scales the loss")
+    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds the compiler may run for one model (its own budget, apart from --timeout)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
+                        "~/.cache/portharness/compile-cache for check without --db)")
+    p.add_argument("--compiler-bug", dest="compiler_bug", default=None, metavar="KIND",
+                   help="sim: plant a compiler-only bug in Inductor's generated code (erf-tanh), with --compile inductor")
 
 
 def _backend_option(p: argparse.ArgumentParser) -> None:

@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 from harness.backends import adapter_for, load_backends, resolve_target
 from harness.models.model_list import ModelEntry
-from harness.results.rows import Measurement, ResultRow, RunInfo
+from harness.results.rows import COMPILE_PHASE, Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run import policy
 from harness.run.attribution import CAP_TOO_SMALL
+from harness.run.configs import cache_dir
 from harness.run.pipeline import Task
 from harness.run.pool import PRELOAD, Event, Pool, Worker, context
 from harness.run.worker import WORKER_IMPORTS, task_payload, worker_main
@@ -40,6 +41,7 @@ class RunConfig:
     jobs: int = 1
     timeout_s: float = 300.0  # per model, from the end of its loading
     load_timeout_s: float = 900.0  # loading's own budget
+    compile_timeout_s: float = 600.0  # the compiler's own budget (--compile), each time it runs
     retries: int = 1  # extra attempts per model for suspicious failures
     spare: int = 0  # devices held back as hot spares
     quarantine_after: int = 2  # strikes before a device is quarantined
@@ -50,6 +52,7 @@ class RunConfig:
     devices: list[str] | None = None  # default: every device of the target's type
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
+    compile_cache: str | None = None  # --compile: caches (default: "<db>-compile-cache/" next to the DB)
     progress: bool = True
     fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
     rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
@@ -61,6 +64,7 @@ class RunConfig:
             (self.jobs >= 1, f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
             (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),
+            (self.compile_timeout_s > 0, f"--compile-timeout {self.compile_timeout_s}: must be > 0 seconds"),
             (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
             (self.spare >= 0, f"--spare {self.spare}: must be >= 0"),
             (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
@@ -148,9 +152,10 @@ def _death(w: Worker, cfg: RunConfig) -> Measurement:
     if w.killed_for == "timeout":
         loading = w.phase in ("", "load")
         why = (f"still loading after {cfg.load_timeout_s:.0f}s (--load-timeout)" if loading
-               else f"no result {cfg.timeout_s:.0f}s after loading (--timeout, in phase {w.phase})")
-        return Measurement(model_id=mid, device=w.key, outcome="timeout", error_type="Timeout", signal=sig,
-                           error_message=f"{why} on {w.key}; worker killed")
+               else f"still compiling after {cfg.compile_timeout_s:.0f}s (--compile-timeout)" if w.phase == COMPILE_PHASE
+               else f"no result {cfg.timeout_s:.0f}s after loading (--timeout, compiling excluded, in phase {w.phase})")
+        return Measurement(model_id=mid, device=w.key, outcome="timeout", signal=sig, error_message=f"{why} on {w.key}; "
+                           "worker killed", error_type="CompileTimeout" if w.phase == COMPILE_PHASE else "Timeout")
     if sig == signal.SIGKILL:
         return Measurement(model_id=mid, device=w.key, outcome="oom", error_type="WorkerKilled", signal=sig,
                            error_message=f"worker on {w.key} was SIGKILLed (likely the OOM killer)")
@@ -182,6 +187,9 @@ class _Run:
             )
         self.run_id = run_id
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
+        self.compile_cache = "" if "compile" not in settings else cache_dir(
+            config.compile_cache or str(store.path.with_name(store.path.stem + "-compile-cache")),
+            adapter.compile_cache_tag())
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         self.queue: deque[policy.Job] = deque(policy.Job(e.id) for e in entries if e.id not in done)
@@ -201,6 +209,7 @@ class _Run:
             timeout_s=config.timeout_s,
             startup_timeout_s=config.startup_timeout_s,
             load_timeout_s=config.load_timeout_s,
+            compile_timeout_s=config.compile_timeout_s,
         )
         self.startup_failures = 0
         self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
@@ -405,7 +414,7 @@ class _Run:
     def _send(self, w: Worker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.key, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
-                    backends=list(self.cfg.backends))
+                    backends=list(self.cfg.backends), compile_cache=self.compile_cache)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:
