@@ -77,7 +77,8 @@ def test_a_configuration_is_part_of_the_run_identity_and_its_contract() -> None:
 
 def test_the_reference_decides_whether_a_skipped_fp16_step_is_drift() -> None:
     """fp16 training: a step the target's loss scaler skipped (inf/NaN gradients) is fine where the
-    reference's scaler skipped it too (only the loss is judged), drift where it did not."""
+    reference's scaler skipped it too, drift where it did not; where the reference skipped, its gradients
+    judge nothing and the loss is what is compared."""
     from harness.run.compare import Tolerance, compare_outputs
     from harness.run.modes import MODES
     from harness.run.train import SKIPPED
@@ -88,17 +89,18 @@ def test_the_reference_decides_whether_a_skipped_fp16_step_is_drift() -> None:
     upd = {f"{o}/{n}": torch.zeros_like(model.get_parameter(n)) for o in ("sgd", "adamw") for n in ("weight", "bias")}
     ref = {"loss": torch.tensor(1.0), **g, **upd}
     inf = {k: torch.full_like(v, float("inf")) for k, v in g.items()}
-    for theirs, verdict_ok, said in ((1, True, "both"), (0, False, "target only")):
-        target = {"loss": torch.tensor(1.0), **inf, **upd, SKIPPED: torch.tensor(1)}
-        expected = {**ref, SKIPPED: torch.tensor(theirs)}
+    for mine, theirs, ok, said in ((1, 1, True, "both"), (1, 0, False, "target only"), (0, 1, True, "reference only")):
+        target = {"loss": torch.tensor(1.0), **(inf if mine else g), **upd, SKIPPED: torch.tensor(mine)}
+        expected = {**ref, **(inf if theirs else {}), SKIPPED: torch.tensor(theirs)}
         r, o, e, tol = mode.before_compare(model, ref, target, ref, expected, Tolerance())
         verdict = compare_outputs(r, target, o, tol, e)
         judged = mode.judge(r, target, verdict)
-        assert verdict.ok_declared is verdict_ok and judged.fields["amp_step_skipped"] == said
+        assert verdict.ok_declared is ok and judged.fields["amp_step_skipped"] == said
         if theirs:
-            assert set(r) == {"loss", SKIPPED}  # nothing stepped on either side: the loss is what is left
+            assert set(r) == {"loss", SKIPPED}  # the reference stepped nothing: its loss is what is left
         else:
             assert not next(c for c in verdict.checks if c.name == SKIPPED).ok
+            assert mode.explain({"amp_step_skipped": said}, None, verdict, "declared")[0].startswith("the target's loss")
 
 
 # -- whose fault: the compiler's stages, and run time errors classified as before --------------------

@@ -102,7 +102,8 @@ class Measurement:
     compile_s: float | None = None  # the compiler's wall time (Dynamo, AOTAutograd, the backend)
     compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed
     eager_outcome: str = ""  # a compiled row that did not pass: the same step, eager, on the same device
-    amp_step_skipped: str = ""  # --amp fp16 train: "both" / "target only" when the loss scaler skipped the step
+    amp_step_skipped: str = ""  # --amp fp16 train: the loss scaler skipped the step on "both" sides, the "target
+    # only" (drift), or the "reference only" (its gradients overflowed: the loss is what is judged)
 
 
 def compile_summary(row: Mapping[str, Any]) -> str:

@@ -119,21 +119,23 @@ class TrainMode(Mode):
 
     def before_compare(self, model, ref, target, oracle, expected, tol):
         """The optimizers judged on the target's own gradients (see harness.run.train). Under fp16 autocast a
-        step the target's loss scaler skipped is judged against the expected reference's own decision:
-        both skipped, only the loss is compared; the target alone, ``amp/step_skipped`` differs (drift)."""
+        step the target's loss scaler skipped is judged against the expected reference's own decision: where
+        the reference skipped (its gradients overflowed), only the loss is compared; where it stepped and
+        the target did not, ``amp/step_skipped`` differs (drift)."""
         if SKIPPED in target:
             mine = bool(target[SKIPPED].item())
             theirs = bool(expected[SKIPPED].item()) if expected is not None and SKIPPED in expected else False
             if expected is not None:
                 expected = {k: v for k, v in expected.items() if k != SKIPPED}
-            if mine and theirs:  # nothing was stepped: gradients are inf/NaN on both sides, the loss is judged
+            if theirs:  # the reference stepped nothing: its gradients are inf/NaN, the loss is what is judged
                 for k in [k for k in target if k.split("/")[0] in ("grad", *OPTIMIZERS)]:
                     del target[k]
                 ref = {k: v for k, v in ref.items() if k.split("/")[0] not in ("grad", *OPTIMIZERS)}
                 oracle = None if oracle is None else {k: v for k, v in oracle.items() if k in ref}
                 expected = None if expected is None else {k: v for k, v in expected.items() if k in ref}
-                return {**ref, SKIPPED: target[SKIPPED]}, oracle, expected, replace(tol, relative=True)
-            ref = {**ref, SKIPPED: torch.tensor(0)}  # the target stepped, or skipped where the reference did not
+                ref[SKIPPED] = torch.tensor(int(mine))  # the target's decision is not judged against it
+                return ref, oracle, expected, replace(tol, relative=True)
+            ref = {**ref, SKIPPED: torch.tensor(0)}  # the reference stepped: a target that skipped drifts
         ref = {**ref, **replay_updates(model, {k: v for k, v in target.items() if k != SKIPPED})}
         tol = replace(tol, relative=True, min_rms=family_floors(ref))
         if oracle is not None:
@@ -144,8 +146,10 @@ class TrainMode(Mode):
 
     def judge(self, ref, target, verdict):
         judged = Judged(train_metrics(ref, target, {c.name: c for c in verdict.checks}))
-        if SKIPPED in target and bool(target[SKIPPED].item()):
-            judged.fields["amp_step_skipped"] = "both" if bool(ref[SKIPPED].item()) else "target only"
+        if SKIPPED in target and "loss" in ref and not any(k.startswith("grad/") for k in ref):
+            judged.fields["amp_step_skipped"] = "both" if bool(target[SKIPPED].item()) else "reference only"
+        elif SKIPPED in target and bool(target[SKIPPED].item()):
+            judged.fields["amp_step_skipped"] = "target only"
         missing = missing_grads(ref, target)
         if missing:
             judged.fields["missing_grads"] = missing

@@ -107,6 +107,8 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
 
     cfg = Configuration.of(task.settings)
     declared = contract(with_amp(adapter.declared_precision(task.settings), cfg.amp))
+    if declared.amp is not None:
+        tol = replace(tol, amp_eps=torch.finfo(declared.amp).eps)
     side = reference_side(model, loaded, entry, inputs, mode, declared, task.settings, task.seed, adapter, clock)
     out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
 
