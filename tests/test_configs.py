@@ -158,8 +158,13 @@ def test_compile_errors_name_their_stage_and_node_and_run_time_errors_keep_their
 
 
 # -- compiled runs through the real CLI ---------------------------------------------------------------
+# Inductor's cold compile of a whole model takes tens of seconds on two cores (the planted bug's BERT:
+# ~2 min with the graph check and the eager rerun): every Inductor run of a model is -m slow. The default
+# suite covers the compiled path with the eager and aot_eager backends below, and the planted bug on one
+# function (tests/test_sim_libraries.py).
 
 
+@pytest.mark.slow
 def test_bert_compiled_with_inductor_on_sim_passes_and_the_second_compile_is_warm(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code, row, err = check_json("tiny/bert/base", "--target", "sim", "--compile", "inductor", "--compile-cache", str(cache))
@@ -176,6 +181,7 @@ def test_bert_compiled_with_inductor_on_sim_passes_and_the_second_compile_is_war
     assert again["compile_cache"] == "warm" and again["outcome"] == row["outcome"]
 
 
+@pytest.mark.slow
 def test_bert_compiled_with_inductor_on_the_cpu_passes(tmp_path: Path) -> None:
     code, row, err = check_json("tiny/bert/base", "--target", "cpu", "--compile", "inductor", "--compile-cache",
                                 str(tmp_path / "cache"))
@@ -183,23 +189,36 @@ def test_bert_compiled_with_inductor_on_the_cpu_passes(tmp_path: Path) -> None:
     assert row["outcome"] == "pass" and row["graph_breaks"] == 0 and row["compile_s"] > 0
 
 
-def test_a_planted_compiler_bug_is_drift_in_compiled_code_only_with_its_node_named(tmp_path: Path) -> None:
-    """sim's erf-tanh bug rewrites exact GELU's erf in Inductor's code: BERT's GELU is caught by the
-    graph check and the row says eager passes; GPT-2's GELU is the tanh one already: untouched."""
+def planted_bug_rows(tmp_path: Path, archs: list[str]) -> dict[str, dict]:
     lst = tmp_path / "l.csv"
-    lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("gpt2", "base")]))
+    lst.write_text(LIST_HEADER + list_rows([(a, "base") for a in archs]))
     db = tmp_path / "r.db"
     r = cli("run", "--list", str(lst), "--target", "sim", "--compile", "inductor", "--compiler-bug", "erf-tanh",
-            "--db", str(db), "--jobs", "1", "--quiet")
+            "--db", str(db), "--jobs", "1", "--quiet", "--compile-cache", str(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(db)
-    bert, gpt2 = got["tiny/bert/base"], got["tiny/gpt2/base"]
+    return rows(db)
+
+
+@pytest.mark.slow
+def test_a_planted_compiler_bug_is_drift_in_compiled_code_only_with_its_node_named(tmp_path: Path) -> None:
+    """sim's erf-tanh bug rewrites exact GELU's erf in Inductor's code for sim: BERT's GELU is caught by
+    the graph check, and the row says eager passes. Also Inductor on sim through the runner: one graph,
+    no break, compile seconds recorded."""
+    bert = planted_bug_rows(tmp_path, ["bert"])["tiny/bert/base"]
     assert bert["outcome"] == "drift" and bert["eager_outcome"] in ("pass", "pass_declared")
     assert bert["error_message"].startswith("compiled only; eager on sim:0 passes")
     assert bert["first_drift_op"].startswith("torch._C._nn.gelu (node ")
     assert bert["first_drift_op_module"] == "encoder.layer.0.intermediate.intermediate_act_fn"
-    assert gpt2["outcome"] == "pass_declared" and not gpt2["eager_outcome"]
     assert bert["settings"]["compiler_bug"] == "erf-tanh"
+    assert (bert["graph_count"], bert["graph_breaks"], bert["recompiles"]) == (1, 0, 0)
+    assert bert["compile_s"] > 0 and bert["compile_cache"] == "cold"
+
+
+@pytest.mark.slow
+def test_the_planted_compiler_bug_leaves_a_tanh_gelu_model_alone(tmp_path: Path) -> None:
+    """GPT-2's GELU is the tanh one already: the planted bug changes nothing, the row passes."""
+    gpt2 = planted_bug_rows(tmp_path, ["gpt2"])["tiny/gpt2/base"]
+    assert gpt2["outcome"] == "pass_declared" and not gpt2["eager_outcome"]
 
 
 def test_compile_failures_graph_breaks_and_a_vendors_backend(tmp_path: Path, patho) -> None:
