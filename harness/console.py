@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.outcomes import DEVICE_SIDE, OUTCOMES, headline
-from harness.results.rows import PHASES
+from harness.results.rows import PHASES, compile_summary
 
 SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
 
@@ -35,6 +35,8 @@ _VERDICT_FIELDS = [
     ("train step", None),
     ("first drifting step", None),
     ("decoding", None),
+    ("compiled", None),
+    ("graph breaks", None),
     ("contract", "contract"),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
     ("declared ratio (<=1 ok)", "declared_ratio"),
@@ -120,11 +122,17 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
                      f"(reference top-2 margin {margin:.3g}, declared envelope {envelope:.3g})"
                      if margin is not None and envelope is not None else "")
         return text
+    if label == "compiled":
+        return compile_summary(row) or None
+    if label == "graph breaks":
+        reasons = row.get("graph_break_reasons") or []
+        return "; ".join(f"[{i}] {r}" for i, r in enumerate(reasons, 1)) or None
     if label == "judged by":
         parts = [f"{row['oracle']} oracle"] if row.get("oracle") else []
         if row.get("ops_checked") is not None:
             sampled = row.get("ops_sampled_out")
-            parts.append(f"{row['ops_checked']} op calls checked" + (f" ({sampled} repeats sampled out)" if sampled else ""))
+            what = "compiled graph nodes" if (row.get("settings") or {}).get("compile") else "op calls"
+            parts.append(f"{row['ops_checked']} {what} checked" + (f" ({sampled} repeats sampled out)" if sampled else ""))
         return "; ".join(parts) or None
     if label == "phases s (peak MB)":
         phases = row.get("phases") or {}

@@ -35,6 +35,7 @@ _OUTCOME_WEIGHTS: dict[str, float] = {
     "pass_declared": 0.05,
     "missing_grad": 0.005,
     "skipped": 0.005,  # split from missing_grad's share: the draws of every other outcome stay as they were
+    "compile_fail": 0.005,  # likewise
 }
 # A new outcome in harness/outcomes.py must get a weight here, or the report tests never see it.
 assert set(_OUTCOME_WEIGHTS) == set(OUTCOMES), set(OUTCOMES) ^ set(_OUTCOME_WEIGHTS)

@@ -38,6 +38,13 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from .configuration_patho import PathoConfig
 
+try:  # an op without a fake (meta) implementation: it runs eagerly anywhere, Dynamo cannot trace it
+    @torch.library.custom_op("patho::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+except RuntimeError:  # defined already (another copy of this file in the process)
+    twice = torch.ops.patho.twice
+
 
 class PathoModel(PreTrainedModel):
     config_class = PathoConfig
@@ -58,6 +65,11 @@ class PathoModel(PreTrainedModel):
         if b == "detach-grad" and input_ids.device.type != "cpu":  # the target loses proj.weight's gradient
             h = self.embed(input_ids)
             return BaseModelOutput(last_hidden_state=h @ self.proj.weight.detach().t() + self.proj.bias)
+        if b == "no-fake":  # compiled, Dynamo fails (no fake impl); eagerly it runs anywhere
+            return BaseModelOutput(last_hidden_state=twice(self.proj(self.embed(input_ids))))
+        if b == "graph-break":  # a data-dependent Python branch: Dynamo breaks the graph at .item()
+            h = self.proj(self.embed(input_ids))
+            return BaseModelOutput(last_hidden_state=h * 2 if h.sum().item() > 0 else h)
         if b == "norm":  # a well-behaved model with a layer norm
             h = self.proj(self.embed(input_ids))
             return BaseModelOutput(last_hidden_state=torch.nn.functional.layer_norm(h, h.shape[-1:]))
@@ -102,7 +114,8 @@ def build(root: Path, behaviour: str) -> Path:
     `oom-ref` allocates 8 GiB on every device, the CPU included; `crash-once[:tag]` segfaults on its
     first run off the CPU, then computes a cumsum (which the toy backend lacks); `kill-device-once`
     creates the file named by PATHO_KILL_FILE on its first run off the CPU (a device's dead file, or its
-    server's kill file), then behaves."""
+    server's kill file), then behaves; `no-fake` calls an op Dynamo cannot trace (no fake impl) and
+    `graph-break` branches on a tensor's value (compiled, they fail in Dynamo's trace and break the graph)."""
     import torch
 
     d = root / f"patho-{behaviour.replace(':', '-')}"

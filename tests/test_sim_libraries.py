@@ -159,6 +159,33 @@ def test_inductor_generates_kernels_for_sim_and_matmuls_keep_its_precision():
     torch.testing.assert_close(rounded.cpu(), eager.cpu())
 
 
+def test_a_planted_compiler_bug_changes_compiled_sim_code_only(tmp_path, monkeypatch):
+    """erf-tanh rewrites erf in Inductor's code for sim graphs: exact GELU comes out as tanh GELU when
+    compiled for sim, never eagerly, never on the CPU, and not after the switch is off (the FX graph
+    cache keys the planted pass apart)."""
+    from harness.sim.inductor import compiler_bugs, get_compiler_bugs
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.linspace(-4, 4, 257)
+    exact, tanh = torch.nn.functional.gelu(x), torch.nn.functional.gelu(x, approximate="tanh")
+
+    def f(t):
+        return torch.nn.functional.gelu(t) * 2
+
+    def compiled(t):
+        torch._dynamo.reset()
+        return torch.compile(f)(t).cpu()
+
+    with compiler_bugs("erf-tanh"):
+        bugged, on_cpu, eager = compiled(x.to("sim")), compiled(x), f(x.to("sim")).cpu()
+    assert get_compiler_bugs() == ()
+    clean = compiled(x.to("sim"))
+    torch.testing.assert_close(bugged, 2 * tanh, rtol=1e-5, atol=1e-5)
+    assert (bugged - 2 * exact).abs().max() > 1e-4
+    for t in (on_cpu, eager, clean):
+        torch.testing.assert_close(t, 2 * exact, rtol=1e-5, atol=1e-5)  # compiled erf: a few e-6 off eager
+
+
 def test_training_on_the_second_device_matches_cpu():
     cpu = build_tiny("gpt2", "causal-lm").train()
     dev = build_tiny("gpt2", "causal-lm").train().to("sim:1")

@@ -114,8 +114,14 @@ class Adapter:
             )
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
-                           "mode", "new_tokens", "cache", *self.options):
+                           "mode", "new_tokens", "cache", "compile", "dynamic", "amp", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
+        if "amp" in out:
+            import torch
+
+            self.load()
+            if not torch.amp.is_autocast_available(self.kind):
+                raise ValueError(f"--amp {out['amp']}: torch.autocast does not support the {self.kind} device type")
         return out
 
     def declared_precision(self, settings: dict[str, Any]) -> str:
@@ -127,15 +133,21 @@ class Adapter:
 
     def reference_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The settings that can change the CPU reference side (part of the reference cache's key): all but
-        those only the target run sees (the matmul precision `apply` sets around it, the op check; the
-        declared contract enters the key on its own). A backend's own options stay in: an adapter that
-        knows they touch only its device says so by overriding this."""
-        return {k: v for k, v in settings.items() if k not in ("precision", "op_check", "declared_precision")}
+        those only the target run sees (the matmul precision `apply` sets around it, the op check, --compile;
+        the declared contract, --amp's included, enters the key on its own). A backend's own options stay in:
+        an adapter that knows they touch only its device says so by overriding this."""
+        target_only = ("precision", "op_check", "declared_precision", "compile", "dynamic")
+        return {k: v for k, v in settings.items() if k not in target_only}
 
     def repro_setup(self, settings: dict[str, Any]) -> list[str]:
         """Python lines a standalone repro runs after importing torch and the backend, to apply `settings`."""
         precision = settings.get("precision", "default")
         return [f"torch.set_float32_matmul_precision({precision!r})"] if precision != "default" else []
+
+    def compile_cache_tag(self) -> str:
+        """What names this backend's own code generator in compile-cache directories ("" : torch's only).
+        Inductor's cache key covers torch's code, not a generator registered from outside it."""
+        return ""
 
     def worker_env(self, settings: dict[str, Any]) -> dict[str, str]:
         """Environment a worker needs for `settings` (switches a backend reads when it loads)."""

@@ -14,13 +14,27 @@ every other op stay fp32):
 - ``bf16-matmul``: operands rounded to bf16 (7-bit mantissa), TPU-style default; ``medium``.
 - ``fp16-matmul``: operands rounded to fp16.
 
+Mixed precision (``--amp``): ``amp-bf16`` / ``amp-fp16`` are the step under
+``torch.autocast("cpu", dtype)``: the CPU's own autocast op lists decide which ops run in the low
+dtype. A target that also rounds the fp32 matmuls autocast leaves alone (sim's ``default``: RoPE tables
+computed with autocast disabled) declares both, ``amp-bf16+bf16-matmul``. A step opens its autocast
+region itself (`autocast_region`: around the forward and the loss, not the backward), for whatever
+device its inputs are on, when the contract or the target's configuration asks for one (`amp`).
+
+The CPU's op lists are not the target's: CUDA's (and sim's, which copies them) keep softmax,
+layer_norm, exp, log, ... in fp32 where the CPU runs them in the low dtype, and the CPU keeps FFTs,
+some pooling and linear algebra in fp32 where CUDA does not. The expected reference is therefore a
+bound on what autocast's own rounding explains, not a replica of the target's arithmetic.
+
 Nothing here imports a backend: the emulation is plain torch on the CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,30 +72,76 @@ def _via(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 @dataclass(frozen=True)
 class Contract:
     name: str
-    round_operand: Callable[[torch.Tensor], torch.Tensor] | None  # None: true fp32, nothing to emulate
+    round_operand: Callable[[torch.Tensor], torch.Tensor] | None  # None: fp32 matmul operands stay fp32
     meaning: str
+    amp: torch.dtype | None = None  # the step runs under autocast to this dtype
+    rounding: str = ""  # the operand-rounding contract this one applies ("" = none)
 
     @property
     def exact(self) -> bool:
-        return self.round_operand is None
+        return self.round_operand is None and self.amp is None
 
 
 CONTRACTS: dict[str, Contract] = {
     c.name: c
     for c in (
         Contract("fp32", None, "true fp32"),
-        Contract("tf32", round_tf32, "matmul/conv operands rounded to TF32, fp32 accumulate"),
-        Contract("bf16-matmul", _via(torch.bfloat16), "matmul/conv operands rounded to bf16, fp32 accumulate"),
-        Contract("fp16-matmul", _via(torch.float16), "matmul/conv operands rounded to fp16, fp32 accumulate"),
+        Contract("tf32", round_tf32, "matmul/conv operands rounded to TF32, fp32 accumulate", rounding="tf32"),
+        Contract("bf16-matmul", _via(torch.bfloat16), "matmul/conv operands rounded to bf16, fp32 accumulate",
+                 rounding="bf16-matmul"),
+        Contract("fp16-matmul", _via(torch.float16), "matmul/conv operands rounded to fp16, fp32 accumulate",
+                 rounding="fp16-matmul"),
+        Contract("amp-bf16", None, "the step under torch.autocast(cpu, bfloat16)", amp=torch.bfloat16),
+        Contract("amp-fp16", None, "the step under torch.autocast(cpu, float16)", amp=torch.float16),
     )
 }
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def contract(name: str) -> Contract:
-    """The contract called `name`; ValueError listing the known ones."""
+    """The contract called `name` (``amp-X+Y``: autocast to X with Y's operand rounding for the fp32
+    matmuls left); ValueError listing the known ones."""
+    amp, plus, base = name.partition("+")
+    if plus and amp in CONTRACTS and CONTRACTS[amp].amp is not None and base in CONTRACTS \
+            and CONTRACTS[base].amp is None and not CONTRACTS[base].exact:
+        b = CONTRACTS[base]
+        return replace(b, name=name, amp=CONTRACTS[amp].amp, meaning=f"{CONTRACTS[amp].meaning}; {b.meaning}")
     if name not in CONTRACTS:
-        raise ValueError(f"--declared-precision {name!r}: expected one of {', '.join(CONTRACTS)}")
+        raise ValueError(f"--declared-precision {name!r}: expected one of {', '.join(CONTRACTS)} "
+                         "(or amp-X+Y: autocast with Y's matmul rounding)")
     return CONTRACTS[name]
+
+
+def with_amp(name: str, amp: str | None) -> str:
+    """The contract a target declaring `name` has under ``--amp amp``."""
+    if not amp or contract(name).amp is not None:
+        return name
+    return f"amp-{amp}" if name == "fp32" else f"amp-{amp}+{name}"
+
+
+_AMP: ContextVar[torch.dtype | None] = ContextVar("portharness_amp", default=None)
+
+
+@contextlib.contextmanager
+def amp(dtype: torch.dtype | None) -> Iterator[None]:
+    """Steps run inside open their autocast region (`autocast_region`) with `dtype` (None: none)."""
+    token = _AMP.set(dtype)
+    try:
+        yield
+    finally:
+        _AMP.reset(token)
+
+
+def amp_dtype() -> torch.dtype | None:
+    return _AMP.get()
+
+
+def autocast_region(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for `device`'s type when a step runs under `amp`, else nothing."""
+    dtype = _AMP.get()
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def round_operands(c: Contract, func: Any, args: tuple) -> tuple:
@@ -97,11 +157,26 @@ def round_operands(c: Contract, func: Any, args: tuple) -> tuple:
 
 
 class Emulate(TorchDispatchMode):
-    """Run CPU ops under a contract: the matmul family sees rounded operands, everything else is fp32."""
+    """Run CPU ops under a contract: the matmul family sees rounded operands, everything else is fp32;
+    under an amp contract, steps run inside open their autocast region."""
 
     def __init__(self, c: Contract) -> None:
         super().__init__()
         self.contract = c
+        self._amp: contextlib.AbstractContextManager | None = None
+
+    def __enter__(self) -> Emulate:
+        self._amp = amp(self.contract.amp)
+        self._amp.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._amp is not None:
+                self._amp.__exit__(*exc)
+                self._amp = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*round_operands(self.contract, func, args), **(kwargs or {}))

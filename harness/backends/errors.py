@@ -134,7 +134,8 @@ def _aten(op: str) -> str:
 
 
 def chain(exc: BaseException, limit: int = 16) -> list[BaseException]:
-    """`exc`, then what it was raised from or while handling (`__cause__`, `__context__`), and so on."""
+    """`exc`, then what it was raised from or while handling (`__cause__`, `__context__`), or wraps (a
+    compiler's `inner_exception`: Dynamo re-raises a backend's error inside its own), and so on."""
     out: list[BaseException] = []
     todo = [exc]
     while todo and len(out) < limit:
@@ -142,7 +143,7 @@ def chain(exc: BaseException, limit: int = 16) -> list[BaseException]:
         if e is None or any(e is seen for seen in out):
             continue
         out.append(e)
-        todo += [e.__cause__, e.__context__]
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
     return out
 
 

@@ -15,7 +15,7 @@ from harness.backends.base import Adapter, OpCensus
 
 
 class SimAdapter(Adapter):
-    options = ("ops", "fault", "fallback", "numerics", "slow_ops")
+    options = ("ops", "fault", "fallback", "numerics", "slow_ops", "compiler_bug")
     more_devices_hint = "; set PORTHARNESS_SIM_DEVICES to simulate more"
     precisions = ("default", "highest")
 
@@ -56,6 +56,15 @@ class SimAdapter(Adapter):
                 parse_slow_ops(out["slow_ops"])
             except ValueError as e:
                 raise ValueError(f"--slow-ops {out['slow_ops']!r}: {str(e).split(': ', 1)[-1]}") from None
+        if "compiler_bug" in out:
+            if "compile" not in out or not str(out["compile"]).startswith("inductor"):
+                raise ValueError(f"--compiler-bug {out['compiler_bug']}: sim plants it in Inductor's generated code; "
+                                 "add --compile inductor")
+            from harness.sim.inductor import COMPILER_BUGS
+
+            if out["compiler_bug"] not in COMPILER_BUGS:
+                raise ValueError(f"--compiler-bug {out['compiler_bug']!r}: sim's planted compiler bugs are "
+                                 f"{', '.join(COMPILER_BUGS)}")
         if "fault" in out:
             from harness.sim.faults import parse_fault_spec
 
@@ -80,6 +89,15 @@ class SimAdapter(Adapter):
         # faults are read when sim loads in the worker, so they travel as its environment
         return {"PORTHARNESS_SIM_FAULTS": settings["fault"]} if settings.get("fault") else {}
 
+    def compile_cache_tag(self) -> str:
+        # Inductor's key does not cover sim's code generator (harness/sim/inductor.py): its source names it
+        import hashlib
+        from pathlib import Path
+
+        import harness.sim as sim
+
+        return "sim-" + hashlib.sha256(Path(sim.__file__).with_name("inductor.py").read_bytes()).hexdigest()[:12]
+
     @contextlib.contextmanager
     def apply(self, settings: dict[str, Any]) -> Iterator[None]:
         import harness.sim as sim
@@ -90,6 +108,7 @@ class SimAdapter(Adapter):
             sim.fallback(settings.get("fallback", "off")),
             sim.numerics_bugs(*[k for k in settings.get("numerics", "").split(",") if k]),
             sim.slow_ops(settings["slow_ops"]) if "slow_ops" in settings else contextlib.nullcontext(),
+            _compiler_bug(settings.get("compiler_bug", "")),
         ):
             yield
 
@@ -134,3 +153,15 @@ class SimAdapter(Adapter):
         from harness.sim import SimDeviceError
 
         return isinstance(exc, SimDeviceError)
+
+
+@contextlib.contextmanager
+def _compiler_bug(kind: str) -> Iterator[None]:
+    """sim's planted compiler bug in what Inductor generates (none: Inductor is not even imported)."""
+    if not kind:
+        yield
+        return
+    from harness.sim.inductor import compiler_bugs
+
+    with compiler_bugs(kind):
+        yield

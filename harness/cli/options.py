@@ -79,6 +79,7 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                         "synchronized), profile the target's ops, record the device's peak memory")
     p.add_argument("--perf-budget", dest="perf_budget", type=float, default=1.0, metavar="SECONDS",
                    help="with --perf: seconds of timed rounds per model, after warm-up (default 1; at least 5 rounds)")
+    _config_options(p)
     _backend_option(p)
 
 
@@ -90,6 +91,24 @@ def _ref_cache_options(p: argparse.ArgumentParser, default: str) -> None:
                         "mode, dtype, contract, versions); shards and hosts can share one on a common file system "
                         f"({default})")
     g.add_argument("--no-ref-cache", action="store_true", help="compute the reference side every time; store nothing")
+
+
+def _config_options(p: argparse.ArgumentParser) -> None:
+    """Compiled and mixed-precision configurations of the target (harness.run.configs)."""
+    p.add_argument("--compile", default=None, metavar="BACKEND[:MODE]",
+                   help="run the target compiled: torch.compile with this torch._dynamo backend (inductor, aot_eager, "
+                        "eager, or a vendor's) and Inductor mode (e.g. inductor:max-autotune); the reference is unchanged")
+    p.add_argument("--dynamic", action="store_true", help="with --compile: torch.compile(dynamic=True)")
+    p.add_argument("--amp", default=None, choices=["bf16", "fp16"],
+                   help="run the target's step under torch.autocast(<device>, dtype); the expected reference under "
+                        "torch.autocast('cpu', dtype) (contracts amp-bf16, amp-fp16); fp16 training scales the loss")
+    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds the compiler may run for one model (its own budget, apart from --timeout)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
+                        "~/.cache/portharness/compile-cache for check without --db)")
+    p.add_argument("--compiler-bug", dest="compiler_bug", default=None, metavar="KIND",
+                   help="sim: plant a compiler-only bug in Inductor's generated code (erf-tanh), with --compile inductor")
 
 
 def _backend_option(p: argparse.ArgumentParser) -> None:

@@ -29,9 +29,12 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     else:
         adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
-    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params", "slow_ops"):
+    for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params", "slow_ops",
+                "compile", "amp", "compiler_bug"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
+    if args.dynamic:
+        options["dynamic"] = True
     if args.dtype not in (None, "fp32"):
         options["dtype"] = args.dtype
     if args.mode != "inference":
@@ -39,11 +42,17 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     options.update(_generate_options(args))
     if args.op_check != "auto":
         options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
+    from harness.run.configs import check
+
+    check(options)  # --compile, --dynamic, --amp: before the backend's own checks read them
     settings = adapter.check_settings(options)
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
+    if args.compile_timeout <= 0:
+        raise ValueError(f"--compile-timeout {args.compile_timeout}: must be > 0 seconds")
     config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
-                       load_timeout_s=args.load_timeout,
+                       load_timeout_s=args.load_timeout, compile_timeout_s=args.compile_timeout,
+                       compile_cache=args.compile_cache,
                        mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize,
                        perf=args.perf, perf_budget_s=args.perf_budget, **overrides)
     config.validate()
@@ -102,6 +111,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
     config = _run_config(args, jobs=1, retries=0, progress=False, fork_workers=True)
+    if not args.db and not config.compile_cache:  # the DB is temporary: its caches would be too
+        config.compile_cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                            "portharness", "compile-cache")
     entry = find_entry(args.model, task=args.task)
     if args.db:
         check_writable(args.db)  # before any write: see cmd_run

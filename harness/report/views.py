@@ -21,7 +21,7 @@ from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_histogram, svg_outcome_bar
-from harness.results.rows import PHASES
+from harness.results.rows import PHASES, compile_summary
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -174,13 +174,15 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
 _FIELDS = ("arch", "task", "modality", "device", "host", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
-           "signal", "loss_kind", "first_drift_param")
+           "signal", "loss_kind", "first_drift_param", "compile_stage", "compile_node", "eager_outcome",
+           "amp_step_skipped")
 _NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine", "grad_worst_ratio",
             "grad_norm_ratio", "loss_delta")
 _TIMINGS = (
     ("load (s)", "load_time_s"),
     ("reference (s)", "ref_time_s"),
     ("target (s)", "target_time_s"),
+    ("compile (s)", "compile_s"),
     ("wall (s)", "wall_time_s"),
     ("peak RSS (MB)", "peak_rss_mb"),
 )
@@ -241,9 +243,16 @@ def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
     checked = as_number(r.get("ops_checked"))
     if checked is not None:
         sampled = as_number(r.get("ops_sampled_out"))
-        out.append(("op check", f"{int(checked)} op calls judged"
+        compiled = isinstance(r.get("settings"), dict) and bool(r["settings"].get("compile"))
+        out.append(("graph check" if compiled else "op check",
+                    f"{int(checked)} {'compiled graph nodes' if compiled else 'op calls'} judged"
                     + (f", {int(sampled)} repeats of a judged signature sampled out" if sampled else "")))
     return out
+
+
+def _count(v: Any) -> str:
+    n = as_number(v)
+    return "" if n is None else str(int(n))
 
 
 def row_view(r: dict[str, Any]) -> dict[str, Any]:
@@ -261,7 +270,8 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "worst_ratio": fmt(r.get("rmse_ratio")),
         "grad_ratio": fmt(r.get("grad_worst_ratio")),
         "where": _text(r.get("first_drift_param")) or _text(r.get("first_drift_module"))
-        or (decoding["where"] if decoding else "") or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+        or (decoding["where"] if decoding else "") or _text(r.get("first_drift_op_module"))
+        or _text(r.get("compile_node")) or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
         "decoding": decoding,
         "drift_module": _text(r.get("first_drift_module")),
         "drift_op": _text(r.get("first_drift_op")),
@@ -281,6 +291,9 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "attempts": attempts,
         "attempt_cols": attempt_cols,
         "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if as_number(r.get(key)) is not None],
+        "compiled": compile_summary(r),
+        "graph_breaks": _count(r.get("graph_breaks")),
+        "break_reasons": [_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
         "phases": _phases_view(r.get("phases")),
         "judged_by": _judged_by(r),
         "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],

@@ -12,16 +12,21 @@ import dataclasses
 import datetime as _dt
 import functools
 import importlib.metadata
+import math
 import secrets
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 # The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
-# the cache has {"s": 0, "cached": true}).
-PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "perf")
+# the cache has {"s": 0, "cached": true}). `eager`: a compiled row that did not pass, run again eagerly;
+# `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
+PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "eager",
+          "perf")
+COMPILE_PHASE = "compile"
 
 
 @dataclass(kw_only=True)
@@ -112,6 +117,41 @@ class Measurement:
     perf: dict = field(default_factory=dict)
     ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
     ref_key: str = ""  # its reference-cache key
+
+    # --compile (harness.run.configs): what compiling made and cost, apart from the run's seconds
+    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
+    compile_node: str = ""  # ... the op or graph node the compiler's error names
+    graph_count: int | None = None  # graphs Dynamo compiled
+    graph_breaks: int | None = None
+    graph_break_reasons: list = field(default_factory=list)  # the first three, one line each
+    recompiles: int | None = None
+    compile_s: float | None = None  # the compiler's wall time (Dynamo, AOTAutograd, the backend)
+    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed
+    eager_outcome: str = ""  # a compiled row that did not pass: the same step, eager, on the same device
+    amp_step_skipped: str = ""  # --amp fp16 train: the loss scaler skipped the step on "both" sides, the "target
+    # only" (drift), or the "reference only" (its gradients overflowed: the loss is what is judged)
+
+
+def compile_summary(row: Mapping[str, Any]) -> str:
+    """``1 graph, 0 breaks, 0 recompiles, compile 12.3 s (cold); eager: pass_declared`` ("" if not compiled)."""
+    def given(v: Any) -> bool:
+        return v is not None and not (isinstance(v, float) and math.isnan(v)) and v != ""
+
+    if not any(given(row.get(k)) for k in ("graph_count", "compile_s", "compile_stage")):
+        return ""
+    parts = []
+    if given(row.get("compile_stage")):
+        parts.append(f"failed in {row['compile_stage']}" + (f" at {row['compile_node']}" if row.get("compile_node") else ""))
+    for key, word in (("graph_count", "graph"), ("graph_breaks", "break"), ("recompiles", "recompile")):
+        n = row.get(key)
+        if given(n):
+            parts.append(f"{int(n)} {word}{'' if int(n) == 1 else 's'}")
+    secs = row.get("compile_s")
+    if given(secs):
+        parts.append(f"compile {secs:.1f} s" + (f" ({row['compile_cache']})" if given(row.get("compile_cache")) else ""))
+    if given(row.get("eager_outcome")):
+        parts.append(f"eager on the same device: {row['eager_outcome']}")
+    return ", ".join(parts)
 
 
 def step_output(k: int) -> str:

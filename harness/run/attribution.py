@@ -4,13 +4,15 @@ the target's (a missing op, out of memory, a crash), as row fields.
 The order is the rule: a device fault anywhere in the exception's chain wins over the phase (seeding
 every device is part of loading a model; loaders wrap the backend's error), then an import that failed
 under the worker's memory cap, then exhausted memory in any phase, then the phase, then a missing op,
-then a crash. A backend that reports a failed kernel at the next synchronize (as CUDA does) gets that
+then an error raised while compiling (`compile_fail`, with its stage and the op or node it names),
+then a crash. Errors that compiled code raises when it runs are classified like eager ones. A backend that reports a failed kernel at the next synchronize (as CUDA does) gets that
 report attributed to the model that ran before it (`target_failure`).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import traceback
 from typing import Any
 
@@ -63,7 +65,71 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
     missing = adapter.parse_missing_op(exc) if adapter is not None else None
     if missing is not None:
         return {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
+    compiled = compile_failure(exc)
+    if compiled is not None:
+        where = compiled["compile_stage"] + (f", at {compiled['compile_node']}" if compiled["compile_node"] else "")
+        return {"outcome": "compile_fail", **base, **compiled,
+                "error_message": f"compile failed in {where}: {base['error_message']}"[:2000]}
     return {"outcome": "crash", **base}
+
+
+# Stages of torch.compile, told apart by the innermost frame of the backend's error that belongs to one.
+DYNAMO, AOT, BACKEND = "Dynamo trace", "AOT/functionalization", "backend codegen"
+_BACKEND_FILES = re.compile(r"torch/_inductor/(graph|scheduler|lowering|ir|codecache|cpp_builder|select_algorithm|"
+                            r"async_compile|output_code|codegen/|kernel/|fx_passes/|runtime/)")
+_AOT_FILES = re.compile(r"torch/(_functorch/|fx/experimental/proxy_tensor|_subclasses/functional_tensor)")
+_NODE = (
+    re.compile(r"While executing %(\S+) : .*?target=([^\]\s]+)"),  # an FX interpreter naming its node
+    re.compile(r"\btarget: (<[^>]+>|\S+)"),  # Inductor's lowering errors
+    re.compile(r"\b(?:call_function|call_method) (<[^>]+>|[\w.]+)\("),  # Dynamo's fake-tensor run of a node
+    re.compile(r"\bbackward through ([\w.:]+)"),  # AOTAutograd tracing the backward of an op without one
+)
+
+
+def _frames(exc: BaseException) -> list[str]:
+    """File names on `exc`'s traceback, innermost first."""
+    out = []
+    tb = exc.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        tb = tb.tb_next
+    return out[::-1]
+
+
+def _stage(inner: BaseException) -> str:
+    for name in _frames(inner):
+        if _BACKEND_FILES.search(name):
+            return BACKEND
+        if _AOT_FILES.search(name):
+            return AOT
+        if "/torch/" not in name and not name.startswith("<"):
+            return BACKEND  # a backend outside torch (a vendor's compiler)
+    return BACKEND
+
+
+def compile_failure(exc: BaseException) -> dict[str, str] | None:
+    """``compile_stage`` and ``compile_node`` for an error raised while Dynamo traced or a backend
+    compiled (None: not the compiler's). The node is the op or graph node the error names, if any."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
+        return None
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+
+    links = chain(exc)
+    if not any(isinstance(e, TorchDynamoException) for e in links):
+        return None
+    failed = next((e for e in links if isinstance(e, BackendCompilerFailed)), None)
+    inner = getattr(failed, "inner_exception", None)
+    stage = DYNAMO if failed is None else _stage(inner) if isinstance(inner, BaseException) else BACKEND
+    node = ""
+    for e in chain(inner) if isinstance(inner, BaseException) else links:
+        for pattern in _NODE:
+            m = pattern.search(str(e))
+            if m:
+                node = (f"%{m.group(1)} ({m.group(2)})" if m.lastindex == 2 else m.group(1))[:200]
+                break
+        if node:
+            break
+    return {"compile_stage": stage, "compile_node": node}
 
 
 def drain(adapter: Adapter, device: str) -> BaseException | None:

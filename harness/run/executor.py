@@ -11,14 +11,15 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from harness.results.rows import Measurement
+from harness.results.rows import COMPILE_PHASE, Measurement
 from harness.run.pool import PRELOAD, Pool, context
 from harness.run.worker import WORKER_IMPORTS, worker_main
 
 
 def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_mb: int | None,
               backends: list[str], timeout_s: float, load_timeout_s: float, startup_timeout_s: float,
-              fork_workers: bool = False, usable: Callable[[str], bool] = lambda key: True) -> Any:
+              fork_workers: bool = False, usable: Callable[[str], bool] = lambda key: True,
+              compile_timeout_s: float | None = None) -> Any:
     """The pool of `executor` (local, ray). `usable(key)`: whether a device is in service (the Ray pool
     keeps an out-of-service chip Ray hands it pinned, rather than running models on it)."""
     if executor == "ray":
@@ -39,19 +40,21 @@ def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_m
         timeout_s=timeout_s,
         startup_timeout_s=startup_timeout_s,
         load_timeout_s=load_timeout_s,
+        compile_timeout_s=compile_timeout_s,
     )
 
 
-def death(w: Any, timeout_s: float, load_timeout_s: float) -> Measurement:
+def death(w: Any, timeout_s: float, load_timeout_s: float, compile_timeout_s: float | None = None) -> Measurement:
     """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
     code, sig = w.death()
     where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host}
     if w.killed_for == "timeout":
-        loading = w.phase in ("", "load")
+        loading, compiling = w.phase in ("", "load"), w.phase == COMPILE_PHASE
         why = (f"still loading after {load_timeout_s:.0f}s (--load-timeout)" if loading
-               else f"no result {timeout_s:.0f}s after loading (--timeout, in phase {w.phase})")
-        return Measurement(**where, outcome="timeout", error_type="Timeout", signal=sig,
-                           error_message=f"{why} on {w.key}; {w.noun} killed")
+               else f"still compiling after {compile_timeout_s or 0:.0f}s (--compile-timeout)" if compiling
+               else f"no result {timeout_s:.0f}s after loading (--timeout, compiling excluded, in phase {w.phase})")
+        return Measurement(**where, outcome="timeout", error_type="CompileTimeout" if compiling else "Timeout",
+                           signal=sig, error_message=f"{why} on {w.key}; {w.noun} killed")
     if sig == signal.SIGKILL:
         return Measurement(**where, outcome="oom", error_type="WorkerKilled", signal=sig,
                            error_message=f"{w.noun} on {w.key} was SIGKILLed ({w.cause or 'likely the OOM killer'})")

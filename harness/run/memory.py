@@ -115,6 +115,7 @@ class PhaseClock:
         self.rss = PeakRss()
         self.phases: dict[str, dict[str, float]] = {}
         self._on_phase = on_phase
+        self._stack: list[str] = []
 
     def __enter__(self) -> PhaseClock:
         self.rss.__enter__()
@@ -123,15 +124,27 @@ class PhaseClock:
     def __exit__(self, *exc: object) -> None:
         self.rss.__exit__(*exc)
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    @property
+    def current(self) -> str:
+        """The phase running now ("" before the first)."""
+        return self._stack[-1] if self._stack else ""
+
+    def announce(self, name: str) -> None:
+        """Tell the supervisor the job is in `name` now, without timing it (the compiler running inside a
+        phase: its deadline is another)."""
         if self._on_phase is not None:
             self._on_phase(name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.announce(name)
+        self._stack.append(name)
         start, t0 = self.rss.peak_mb, time.perf_counter()
         self.rss.peak_mb = self.rss._now()  # the phase's own peak, not the model's so far
         try:
             yield
         finally:
+            self._stack.pop()
             peak = max(self.rss.peak_mb, self.rss._now())
             self.phases[name] = {"s": round(time.perf_counter() - t0, 4), "peak_rss_mb": round(peak, 1)}
             self.rss.peak_mb = max(start, peak)

@@ -28,16 +28,19 @@ from typing import Any
 
 import torch
 
+from harness.backends.contracts import autocast_region
 from harness.models.labels import make_labels
 from harness.models.outputs import output_tensors
 from harness.run import generate
 from harness.run.compare import Tolerance, Verdict
 from harness.run.train import (
     OPTIMIZERS,
+    SKIPPED,
     family_floors,
     missing_grads,
     prepare,
     replay_updates,
+    step_device,
     train_metrics,
     train_step,
 )
@@ -73,8 +76,8 @@ class Judged:
 
 
 def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One forward without gradients: every float output, on the CPU."""
-    with torch.no_grad():
+    """One forward without gradients (under autocast when the run asks for it): every float output, on the CPU."""
+    with torch.no_grad(), autocast_region(step_device(model, inputs)):
         out = model(**inputs)
     return {k: v.detach().cpu() for k, v in output_tensors(out).items()}
 
@@ -151,8 +154,25 @@ class TrainMode(Mode):
         return _train_plan(inputs, fields, seed)
 
     def before_compare(self, model, ref, target, oracle, expected, tol):
-        """The optimizers judged on the target's own gradients (see harness.run.train)."""
-        ref = {**ref, **replay_updates(model, target)}
+        """The optimizers judged on the target's own gradients (see harness.run.train). Under fp16 autocast a
+        step the target's loss scaler skipped is judged against the expected reference's own decision: where
+        the reference skipped (its gradients overflowed), only the loss is compared; where it stepped and
+        the target did not, ``amp/step_skipped`` differs (drift)."""
+        if SKIPPED in target:
+            mine = bool(target[SKIPPED].item())
+            theirs = bool(expected[SKIPPED].item()) if expected is not None and SKIPPED in expected else False
+            if expected is not None:
+                expected = {k: v for k, v in expected.items() if k != SKIPPED}
+            if theirs:  # the reference stepped nothing: its gradients are inf/NaN, the loss is what is judged
+                for k in [k for k in target if k.split("/")[0] in ("grad", *OPTIMIZERS)]:
+                    del target[k]
+                ref = {k: v for k, v in ref.items() if k.split("/")[0] not in ("grad", *OPTIMIZERS)}
+                oracle = None if oracle is None else {k: v for k, v in oracle.items() if k in ref}
+                expected = None if expected is None else {k: v for k, v in expected.items() if k in ref}
+                ref[SKIPPED] = torch.tensor(int(mine))  # the target's decision is not judged against it
+                return ref, oracle, expected, replace(tol, relative=True)
+            ref = {**ref, SKIPPED: torch.tensor(0)}  # the reference stepped: a target that skipped drifts
+        ref = {**ref, **replay_updates(model, {k: v for k, v in target.items() if k != SKIPPED})}
         tol = replace(tol, relative=True, min_rms=family_floors(ref))
         if oracle is not None:
             oracle = {**oracle, **replay_updates(model, target, torch.float64)}
@@ -162,6 +182,10 @@ class TrainMode(Mode):
 
     def judge(self, ref, target, verdict):
         judged = Judged(train_metrics(ref, target, {c.name: c for c in verdict.checks}))
+        if SKIPPED in target and "loss" in ref and not any(k.startswith("grad/") for k in ref):
+            judged.fields["amp_step_skipped"] = "both" if bool(target[SKIPPED].item()) else "reference only"
+        elif SKIPPED in target and bool(target[SKIPPED].item()):
+            judged.fields["amp_step_skipped"] = "target only"
         missing = missing_grads(ref, target)
         if missing:
             judged.fields["missing_grads"] = missing
@@ -171,6 +195,8 @@ class TrainMode(Mode):
         return judged
 
     def explain(self, out, kernel, verdict, envelope):
+        if out.get("amp_step_skipped") == "target only":
+            return ["the target's loss scaler found inf/NaN gradients and skipped the step; the reference's did not"]
         if out.get("first_drift_param"):
             return [f"first parameter whose gradient drifts: {out['first_drift_param']}"]
         if kernel is None:

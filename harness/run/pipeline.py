@@ -16,23 +16,26 @@ rebuilds them then.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness.backends import adapter_for
-from harness.backends.contracts import Emulate, contract
+from harness.backends.contracts import Emulate, amp, autocast_region, contract, with_amp
 from harness.models.inputs import make_inputs
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
+from harness.outcomes import PASSING
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
+from harness.run.configs import CompileWatch, Configuration, compile_cache, uncompile
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
@@ -61,6 +64,7 @@ class Task:
     ref_cache: str = ""  # reference cache directory ("" = none: the reference side is computed)
     perf: bool = False  # time the step after the verdict (harness.run.perf)
     perf_budget_s: float = DEFAULT_BUDGET_S
+    compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
@@ -118,7 +122,10 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
             raise Stop(classify_exception(e, adapter, "load")) from None
 
-    declared = contract(adapter.declared_precision(task.settings))
+    cfg = Configuration.of(task.settings)
+    declared = contract(with_amp(adapter.declared_precision(task.settings), cfg.amp))
+    if declared.amp is not None:
+        tol = replace(tol, amp_eps=torch.finfo(declared.amp).eps)
     cache = RefCache(task.ref_cache) if task.ref_cache else None
     side = reference_side(model, loaded, entry, inputs, mode, declared, task.settings, task.seed, adapter, clock,
                           cache)
@@ -131,17 +138,68 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     params = n_params(model)
     localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
     keep_cpu = mode.keeps_cpu_model or (params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
+    cpu_model = model if keep_cpu else None
     judge = _judge(device, declared, task.settings.get("op_check", "auto"), params)
-    with clock.phase("target"):
-        target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge, copy_model=keep_cpu)
+    if not cfg.compiled:
+        with clock.phase("target"):
+            target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
+                                 copy_model=keep_cpu, cfg=cfg)
+        if task.perf:
+            after.append(_perf(side.plan, cpu_model, target, device, adapter, task))
+        _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, out,
+                 inputs if localizes else None)
+        return
+    # Compiled: a row that does not pass also says what the same step does eagerly on the same device.
+    watch = CompileWatch(clock.announce, lambda: clock.current)
+    with compile_cache(task.compile_cache):
+        try:
+            with clock.phase("target"):
+                target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
+                                     copy_model=keep_cpu, cfg=cfg, watch=watch, contract=declared)
+            out.update(target.compile_fields)
+            if task.perf:
+                after.append(_perf(side.plan, cpu_model, target, device, adapter, task))
+            # localized by the graph check's node, not by module hooks (they would change what is compiled)
+            _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, out)
+        except Stop as stop:
+            out.update(stop.fields)
+    if out.get("outcome") in PASSING or out.get("device_fault"):
+        return
     if not keep_cpu:
-        model = None
+        uncompile(model)  # it went to the device in place
+    eager: dict[str, Any] = {}
+    with clock.phase("eager"):
+        try:
+            target = target_side(model, side.plan, device, adapter, task.settings, task.seed,
+                                 _judge(device, declared, task.settings.get("op_check", "auto"), params),
+                                 copy_model=keep_cpu, cfg=cfg.eager())
+            _verdict(entry, replace(task, repro_dir=""), mode, side, target, declared, tol, cpu_model, adapter, clock,
+                     eager)
+        except Stop as stop:
+            eager.update(stop.fields)
+    out.update(eager_message(out, eager, device))
+
+
+def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
+    """The compiled row's `eager_outcome` and its message saying whose failure it is."""
+    outcome = eager.get("outcome", "")
+    if outcome in PASSING:
+        head = f"compiled only; eager on {device} passes ({outcome})"
+    else:
+        why = eager.get("first_drift_op") or eager.get("unsupported_op") or eager.get("error_type") or ""
+        head = f"eager on {device} fails too ({outcome}{': ' + why if why else ''})"
+    return {"eager_outcome": outcome, "error_message": f"{head}; {compiled.get('error_message', '')}"[:2000]}
+
+
+def _verdict(entry: ModelEntry, task: Task, mode: Any, side: ReferenceSide, target: Any, declared: Any,
+             tol: Tolerance, model: torch.nn.Module | None, adapter: Any, clock: PhaseClock, out: dict[str, Any],
+             inputs: dict[str, Any] | None = None) -> None:
+    """Compare the target's step with the reference side's and explain a drift, writing the row's fields
+    into `out` (`model`: the CPU model, if kept; `inputs`: the model's, to localize a drift to a module)."""
+    device = task.target
     judge = target.judge
     out["_target_s"] = target.seconds
-    if task.perf:
-        after.append(_perf(side.plan, model, target, device, adapter, task))
-
-    with clock.phase("compare"):
+    with clock.phase("compare") if clock.current != "eager" else contextlib.nullcontext():
         ref, oracle, expected, tol = mode.before_compare(model, side.ref, target.out, side.oracle, side.expected, tol)
         verdict = compare_outputs(ref, target.out, oracle, tol, expected)
     out.update(
@@ -167,14 +225,15 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     messages = []
     if kernel is not None:
         out.update(describe(kernel))
-        where = f"kernel {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])})"
+        what = "kernel" if kernel.func is not None else "compiled graph node"  # the graph check's: no ATen op
+        where = f"{what} {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])})"
         messages.append(
             f"{where} is beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
             + (f"; {kernel.note}" if kernel.note else "")
             if kernel.ratio is not None else  # a wrong shape or dtype: nothing to measure, still the finding
             f"{where} returns output {kernel.output} unlike the CPU's: {kernel.note or 'not comparable'}"
         )
-        if task.repro_dir:
+        if task.repro_dir and kernel.func is not None:  # a compiled graph's node has no single ATen op to replay
             preamble = repro_preamble(task.backends, adapter.repro_setup(task.settings))
             out["repro_path"] = str(write_repro(kernel, contract=declared, target=task.target, preamble=preamble,
                                                 model_id=entry.id, directory=Path(task.repro_dir)))
@@ -187,7 +246,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     messages += mode.explain(out, kernel, verdict, "fp32" if declared.exact else "declared")
     out["error_message"] = "; ".join(messages)
-    if localizes:
+    if inputs is not None:  # the caller localizes: a small model, eager, a mode that names modules
         with clock.phase("localize"):
             try:
                 cpu, oracle_model = ((model, side.oracle_model) if not side.cached
@@ -243,8 +302,10 @@ def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, 
     )
     expected_rec = None
     if declared is not None:
-        with Emulate(declared):
+        with Emulate(declared), autocast_region("cpu"):
             expected_rec = capture(model, lambda: model(**inputs))
-    with adapter.apply(settings):  # the target's settings only around the target (they may be global)
-        tgt_rec = capture(tmodel, lambda: tmodel(**target_inputs))
+    # the target's settings only around the target (they may be global)
+    with adapter.apply(settings), amp(declared.amp if declared is not None else None):
+        with autocast_region(torch.device(adapter.kind)):
+            tgt_rec = capture(tmodel, lambda: tmodel(**target_inputs))
     return first_drift(ref_rec, tgt_rec, oracle_rec, tol, expected_rec)

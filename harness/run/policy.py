@@ -87,7 +87,8 @@ from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABL
 from harness.results.rows import Attempt, Measurement
 
 POOL_START_GRACE_S = 60.0
-DEVICE_PHASES = frozenset({"target", "localize"})  # phases that run on the device, after the reference
+DEVICE_PHASES = frozenset({"target", "localize", "eager"})  # phases that run on the device, after the reference
+# (the compiler's, "compile", runs on the host: a hang or crash there strikes no device)
 
 
 @dataclass(eq=False)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from harness.results.rows import COMPILE_PHASE as COMPILE
 from harness.run.memory import rss_mb
 
 PRELOAD = ["torch", "transformers", "harness.run.forkserver_guard"]
@@ -72,7 +73,8 @@ class Worker:
         self.job: Any = None  # the caller's handle for the job in flight
         self.started = 0.0
         self.phase = ""  # the job's current phase, as the child reported it
-        self.phase_started = 0.0
+        self.phase_started = 0.0  # when the current budget window began (after loading, or a compile)
+        self.spent = 0.0  # seconds of the --timeout window used before the compiler last ran
         self.done = 0  # jobs finished by this worker
         self.killed_for: str | None = None
 
@@ -84,6 +86,7 @@ class Worker:
         self.job = job
         self.started = self.phase_started = time.monotonic()
         self.phase = ""
+        self.spent = 0.0
         self.conn.send(payload)
 
     def kill(self, reason: str) -> None:
@@ -133,6 +136,7 @@ class Pool:
         max_rss_mb: float | None = None,
         startup_timeout_s: float | None = None,
         load_timeout_s: float | None = None,
+        compile_timeout_s: float | None = None,
     ) -> None:
         self.ctx = ctx
         self.target = target
@@ -141,6 +145,7 @@ class Pool:
         self.max_rss_mb = max_rss_mb
         self.startup_timeout_s = startup_timeout_s
         self.load_timeout_s = load_timeout_s
+        self.compile_timeout_s = compile_timeout_s
         self.workers: list[Worker] = []
         self.started = 0  # workers started, replacements included
 
@@ -191,9 +196,14 @@ class Pool:
                 w.ready = True
                 out.append(Event("ready", w, msg))
             elif msg.get("type") == "phase":
+                now, name = time.monotonic(), msg["name"]
                 if w.phase == "load" or not w.phase:
-                    w.phase_started = time.monotonic()  # the compute budget starts when loading ends
-                w.phase = msg["name"]
+                    w.phase_started = now  # the compute budget starts when loading ends
+                elif name == COMPILE or w.phase == COMPILE:  # the compiler has its own budget, each time it runs
+                    if w.phase != COMPILE:
+                        w.spent += now - w.phase_started
+                    w.phase_started = now
+                w.phase = name
             elif msg.get("type") == "result":
                 out.append(Event("result", w, msg["result"]))
                 w.done += 1
@@ -203,10 +213,13 @@ class Pool:
         return out
 
     def _deadline(self, w: Worker) -> float:
-        """Loading has its own budget; the rest of the job has `timeout_s` from the end of loading."""
+        """Loading has its own budget, and so has the compiler each time it runs; the rest of the job has
+        `timeout_s` from the end of loading, the compiler's time left out."""
         if self.load_timeout_s is not None and w.phase in ("", "load"):
             return w.started + max(self.load_timeout_s, 0.0)
-        return w.phase_started + self.timeout_s
+        if self.compile_timeout_s is not None and w.phase == COMPILE:
+            return w.phase_started + self.compile_timeout_s
+        return w.phase_started + self.timeout_s - w.spent
 
     def _deadlines(self) -> list[Event]:
         now = time.monotonic()

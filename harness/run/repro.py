@@ -23,7 +23,7 @@ _ROUNDING = {  # how each contract's operand rounding reads in plain torch
     "bf16-matmul": "t.to(torch.bfloat16).to(torch.float32)",
     "fp16-matmul": "t.to(torch.float16).to(torch.float32)",
 }
-assert set(_ROUNDING) == {n for n, c in CONTRACTS.items() if not c.exact}, "a contract without repro rounding"
+assert set(_ROUNDING) == {c.rounding for c in CONTRACTS.values() if c.rounding}, "a contract without repro rounding"
 
 _TEMPLATE = '''"""Repro (portharness): {op} on {target} is beyond its declared precision ({contract}).
 
@@ -101,7 +101,7 @@ def write_repro(
             op=failure.op, target=target, contract=contract.name, model_id=model_id, module=failure.module or "(top)",
             inputs=", ".join(failure.inputs), ulps=ULPS, script_name=script.name,
             preamble="\n".join(preamble), namespace=namespace, packet=packet, overload=failure.func._overloadname,
-            device=target, rounding=f"return {_ROUNDING[contract.name]}" if not contract.exact else "return t",
+            device=target, rounding=f"return {_ROUNDING[contract.rounding]}" if contract.rounding else "return t",
             positions=list(MULTIPLIER_ARGS.get(failure.func, ())), output_index=int(failure.output.split(":")[0]),
         )
     )

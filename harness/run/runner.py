@@ -25,6 +25,7 @@ from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run import policy
 from harness.run.attribution import CAP_TOO_SMALL
+from harness.run.configs import cache_dir
 from harness.run.executor import death as _death
 from harness.run.executor import make_pool
 from harness.run.perf import HARD_CAP
@@ -44,6 +45,7 @@ class RunConfig:
     jobs: int = 1  # workers; 0 with the ray executor: one actor per device of the cluster
     timeout_s: float = 300.0  # per model, from the end of its loading
     load_timeout_s: float = 900.0  # loading's own budget
+    compile_timeout_s: float = 600.0  # the compiler's own budget (--compile), each time it runs
     retries: int = 1  # extra attempts per model for suspicious failures
     spare: int = 0  # devices held back as hot spares
     quarantine_after: int = 2  # strikes before a device is quarantined
@@ -55,6 +57,7 @@ class RunConfig:
     backends: list[str] = field(default_factory=list)  # modules that register the target's backend
     repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
     ref_cache: str | None = None  # reference cache directory shared by runs, shards and hosts (None: none)
+    compile_cache: str | None = None  # --compile: caches (default: "<db>-compile-cache/" next to the DB)
     progress: bool = True
     fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
     rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
@@ -73,6 +76,7 @@ class RunConfig:
              f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
             (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),
+            (self.compile_timeout_s > 0, f"--compile-timeout {self.compile_timeout_s}: must be > 0 seconds"),
             (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
             (self.spare >= 0, f"--spare {self.spare}: must be >= 0"),
             (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
@@ -193,6 +197,9 @@ class _Run:
             )
         self.run_id = run_id
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
+        self.compile_cache = "" if "compile" not in settings else cache_dir(
+            config.compile_cache or str(store.path.with_name(store.path.stem + "-compile-cache")),
+            adapter.compile_cache_tag())
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         sizes = {e.id: e.params or (1.0 if "slow" in e.tags else None) for e in entries}  # `slow`: a time hint
@@ -204,7 +211,7 @@ class _Run:
         self.pool = make_pool(config.executor, jobs=self.jobs, worker_env=adapter.worker_env(settings),
                               mem_cap_mb=config.mem_cap_mb, backends=config.backends, timeout_s=config.timeout_s,
                               load_timeout_s=config.load_timeout_s, startup_timeout_s=config.startup_timeout_s,
-                              fork_workers=config.fork_workers, usable=lambda key: key in self.fleet.active)
+                              fork_workers=config.fork_workers, compile_timeout_s=config.compile_timeout_s, usable=lambda key: key in self.fleet.active)
         self.startup_failures = 0
         self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
         self.samples: dict[policy.Job, str] = {}  # --rerun-flaky sample job -> the model it samples
@@ -425,7 +432,7 @@ class _Run:
         task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
-                    perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s)
+                    perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:
@@ -452,7 +459,7 @@ class _Run:
                     "resumable. Run `portharness check` on one model to see the error"
                 )
         if w.busy:
-            self._settle(w, _death(w, self.cfg.timeout_s, self.cfg.load_timeout_s), phase=w.phase or "start")
+            self._settle(w, _death(w, self.cfg.timeout_s, self.cfg.load_timeout_s, self.cfg.compile_timeout_s), phase=w.phase or "start")
         self._replace(w)
 
     def _drain(self) -> None:

@@ -7,20 +7,30 @@ against the CPU; after the plain run, because a dispatch mode changes some paths
 errors belongs to the model's own path), and the run that is judged. Each ends by synchronizing the
 device: a backend that reports a failed kernel at the next synchronizing call (as CUDA does) reports it
 here, with this model. A failure stops the row with its fields (`reference.Stop`).
+
+Under a configuration (`harness.run.configs`) the model is compiled in place before the warm-up, which
+then compiles it (`CompileWatch` counts graphs, breaks, recompiles and compile seconds), and the step
+runs under autocast; a compiled run is judged by the graph check (`harness.run.graphcheck`: the
+compiled graphs' nodes against the CPU) instead of the op check, whose dispatch mode would see only the
+ops compiled code calls outside its fused kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from harness.backends import Adapter
 from harness.backends.base import OpCensus
+from harness.backends.contracts import amp
 from harness.run.attribution import drain, target_failure
+from harness.run.configs import CompileWatch, Configuration, compile_model
+from harness.run.graphcheck import check_graphs
 from harness.run.modes import Plan
 from harness.run.opcheck import OpJudge
 from harness.run.reference import Stop
@@ -33,8 +43,9 @@ class TargetSide:
     out: dict[str, torch.Tensor]  # the judged run's named outputs, on the CPU
     seconds: float  # the judged run, synchronized
     census: OpCensus
-    judge: OpJudge | None  # None when the op check was off or could not run
+    judge: OpJudge | None  # None when the op check was off or could not run (compiled: the graph check)
     extra: Any = None  # the plan's extra run's result (None: it has none)
+    compile_fields: dict[str, Any] = field(default_factory=dict)  # CompileWatch's, when compiled
 
 
 def census_fields(census: OpCensus) -> dict[str, Any]:
@@ -55,30 +66,51 @@ def to_device(inputs: dict[str, Any], device: str | torch.device, dtype: torch.d
 
 
 def target_side(model: torch.nn.Module, plan: Plan, device: str, adapter: Adapter, settings: dict[str, Any],
-                seed: int, judge: OpJudge | None, *, copy_model: bool) -> TargetSide:
-    """Run `plan`'s step on `device` (`copy_model`: a deep copy goes to the device, else `model` itself)."""
+                seed: int, judge: OpJudge | None, *, copy_model: bool, cfg: Configuration | None = None,
+                watch: CompileWatch | None = None, contract: Any = None) -> TargetSide:
+    """Run `plan`'s step on `device` (`copy_model`: a deep copy goes to the device, else `model` itself)
+    under `cfg` (compiled: `watch` counts the compilation, `contract` judges the graph check)."""
+    cfg = cfg or Configuration()
     census = OpCensus()
+    watch = watch if cfg.compiled else None
+    recorder = None
     try:
         adapter.seed(seed)
         inputs = to_device(plan.inputs, device)
-        with adapter.apply(settings), adapter.census() as census:
-            tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
-            if judge is not None:
-                judge.name_modules(tmodel)
-            plan.step(tmodel, inputs)  # warm-up
-            if judge is not None:
-                judge = _judged_run(judge, plan, tmodel, inputs, adapter, device)
-            t0 = time.perf_counter()
-            out = plan.step(tmodel, inputs)
-            adapter.synchronize(device)  # what the device reports late is this model's
-            seconds = time.perf_counter() - t0
-            extra = None
-            if plan.extra is not None:
-                extra = plan.extra(tmodel, inputs)
-                adapter.synchronize(device)
+        with adapter.apply(settings), amp(cfg.amp_dtype), watch or contextlib.nullcontext():
+            with adapter.census() as census:
+                tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
+                if cfg.compiled:
+                    recorder = compile_model(tmodel, cfg)
+                elif judge is not None:
+                    judge.name_modules(tmodel)
+                plan.step(tmodel, inputs)  # warm-up (compiled: the compile)
+                if judge is not None and recorder is None:
+                    judge = _judged_run(judge, plan, tmodel, inputs, adapter, device)
+                if recorder is not None:
+                    recorder.capturing = True  # each graph's inputs, for the graph check
+                t0 = time.perf_counter()
+                out = plan.step(tmodel, inputs)
+                adapter.synchronize(device)  # what the device reports late is this model's
+                seconds = time.perf_counter() - t0
+                if recorder is not None:
+                    recorder.capturing = False
+                extra = None
+                if plan.extra is not None:
+                    extra = plan.extra(tmodel, inputs)
+                    adapter.synchronize(device)
+            compiled = watch.freeze() if watch is not None else {}
+            if recorder is not None:
+                judge = None if judge is None else check_graphs(
+                    recorder.graphs, cfg, contract, torch.device(device).type, [n for n, _ in tmodel.named_parameters()])
+                recorder.graphs = []
+                for x in (*(judge.raised if judge is not None else ()), drain(adapter, device)):
+                    if x is not None and adapter.blames_device(x) is not None:
+                        raise x
     except Exception as e:
-        raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census)}) from None
-    return TargetSide(tmodel, inputs, out, seconds, census, judge, extra)
+        raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census),
+                    **(watch.fields() if watch is not None else {})}) from None
+    return TargetSide(tmodel, inputs, out, seconds, census, judge, extra, compiled)
 
 
 def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,

@@ -18,6 +18,11 @@ and every parameter's update under two optimizers.
   The target's updates are judged against the same optimizers replayed on the CPU from the target's
   own gradients (`replay_updates`): the gradients have their own verdict, and AdamW's first step,
   lr * g / (|g| + eps), would turn a gradient's last bits near eps into lr-sized differences.
+- Under ``--amp`` the forward and the loss run inside the step's autocast region (the backward and the
+  optimizers outside it, as PyTorch's AMP recipe has it); fp16 scales the loss with
+  ``torch.amp.GradScaler(<device>)``, reports the unscaled gradients, and lets the scaler skip both
+  optimizer steps when a gradient is inf/NaN (``amp/step_skipped``: judged against the reference's own
+  decision, not as an output).
 - The step leaves the model as it found it (parameters, buffers, no gradients): it can run again,
   under a dispatch mode (the declared-precision emulation, the op check), on any copy.
 """
@@ -30,12 +35,14 @@ from typing import Any
 
 import torch
 
+from harness.backends.contracts import amp_dtype, autocast_region
 from harness.models.outputs import output_tensors
 
 LR = 1e-3
 MOMENTUM = 0.9
 WEIGHT_DECAY = 0.01
 OPTIMIZERS = ("sgd", "adamw")
+SKIPPED = "amp/step_skipped"  # 1 when the fp16 loss scaler skipped the optimizer steps (inf/NaN gradients)
 # Float settings that draw random numbers in train mode (dropout probabilities, stochastic depth,
 # LayerDrop, router jitter, SpecAugment masking), on modules and configs alike.
 _RANDOM = re.compile(r"dropout|drop_prob|drop_path|pdrop|layerdrop|layer_drop|jitter|mask_time_prob|"
@@ -92,27 +99,53 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
+def step_device(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.device:
+    """Where a step runs: its first tensor input's device, else its first parameter's."""
+    for v in inputs.values():
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def train_step(model: torch.nn.Module, inputs: dict[str, Any], *, model_loss: bool, seed: int = 0,
                ) -> dict[str, torch.Tensor]:
     """``{"loss", "grad/<param>", "sgd/<param>", "adamw/<param>"}`` as CPU tensors, parameters in module
-    order. `inputs` include the labels when `model_loss` (the head's own loss), else the fixed reduction
-    is the loss. A parameter that gets no gradient has no ``grad/`` entry; `missing_grads` compares those."""
+    order (and ``amp/step_skipped`` under fp16 autocast). `inputs` include the labels when `model_loss`
+    (the head's own loss), else the fixed reduction is the loss. A parameter that gets no gradient has
+    no ``grad/`` entry; `missing_grads` compares those."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters: there is no training step to compare")
     buffers = [(b, b.detach().clone()) for _, b in model.named_buffers()]
     start = [p.detach().clone() for _, p in params]
+    device = step_device(model, inputs)
+    scaler = torch.amp.GradScaler(device.type) if amp_dtype() is torch.float16 else None
     model.zero_grad(set_to_none=True)
     try:
         with torch.enable_grad():
-            out = model(**inputs)
-            loss = _loss(out, model_loss, seed)
-            loss.backward()
+            with autocast_region(device):
+                out = model(**inputs)
+                loss = _loss(out, model_loss, seed)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         result = {"loss": loss.detach().cpu()}
-        result.update({f"grad/{n}": p.grad.detach().cpu() for n, p in params if p.grad is not None})
+        if scaler is None:
+            result.update({f"grad/{n}": p.grad.detach().cpu() for n, p in params if p.grad is not None})
+        scaled = {n: p.grad.detach().clone() for n, p in params if p.grad is not None} if scaler is not None else {}
         with torch.no_grad():
-            for name in OPTIMIZERS:
-                _optimizer(name, [p for _, p in params]).step()
+            for i, name in enumerate(OPTIMIZERS):
+                opt = _optimizer(name, [p for _, p in params])
+                if scaler is None:
+                    opt.step()
+                else:  # each optimizer unscales the same scaled gradients, and the scaler may skip its step
+                    for n, p in params:
+                        p.grad = scaled[n].clone() if n in scaled else None
+                    scaler.unscale_(opt)
+                    if i == 0:
+                        grads = {n: p.grad.detach().cpu() for n, p in params if p.grad is not None}
+                        result.update({f"grad/{n}": g for n, g in grads.items()})
+                        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+                        result[SKIPPED] = torch.tensor(0 if finite else 1)
+                    scaler.step(opt)
                 for (n, p), p0 in zip(params, start, strict=True):
                     result[f"{name}/{n}"] = (p.detach() - p0).cpu()
                     p.copy_(p0)

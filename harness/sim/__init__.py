@@ -63,6 +63,7 @@ about the harness runner.
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
@@ -147,6 +148,8 @@ def _register() -> None:
     _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
     importlib.import_module(".autocast", __package__).register()
     importlib.import_module(".numerics", __package__).plant_from_env()
+    if os.environ.get("PORTHARNESS_SIM_COMPILER_BUG"):  # a compiler bug: Inductor must know before compiling
+        importlib.import_module(".inductor", __package__)
     _printable()
     _registered = True
 

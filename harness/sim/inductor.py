@@ -19,6 +19,14 @@ What that means for sim's switches in compiled code:
 - FlexAttention stays unsupported: `flex_attention` itself refuses devices outside PyTorch's list, in
   compiled code too (it is checked while Dynamo traces it), before any Inductor template is chosen.
 
+A planted compiler-only bug (env ``PORTHARNESS_SIM_COMPILER_BUG``, `set_compiler_bugs` /
+`compiler_bugs()`), for checking that a harness tells a compiler's bug from the device's: ``erf-tanh``
+is a post-grad graph pass that rewrites every ``aten.erf`` of a sim graph into the tanh approximation
+``tanh(2/sqrt(pi) * (u + 0.044715 * 2 * u**3))`` -- exact GELU becomes tanh GELU (about 3e-4 off at
+its worst) in generated code only; eager sim and every CPU graph are untouched. The pass is Inductor's
+``post_grad_custom_post_pass`` while the switch is on, with a ``uuid`` naming the bug, so the FX graph
+cache keeps its code apart from clean code.
+
 Inductor finds this module through the device module's ``Scheduling`` / ``PythonWrapperCodegen`` /
 ``CppWrapperCodegen`` / ``WrapperFxCodegen`` (``harness.sim.device`` loads it on first use, so a process
 that never compiles never imports Inductor).
@@ -26,6 +34,10 @@ that never compiles never imports Inductor).
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +48,7 @@ from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 from torch._inductor.codegen.cpu_device_op_overrides import CpuDeviceOpOverrides
 from torch._inductor.codegen.wrapper import PythonWrapperCodegen, SubgraphPythonWrapperCodegen
 from torch._inductor.codegen.wrapper_fxir import WrapperFxCodegen
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.virtualized import V
 
 from .indices import MAX_DEVICES, current_device, device_count
@@ -159,6 +172,69 @@ def _compile_like_the_cpu() -> None:
     graph.GraphLowering.decide_layout_opt = staticmethod(decide_layout_opt)
 
 
+COMPILER_BUG_ENV = "PORTHARNESS_SIM_COMPILER_BUG"
+aten = torch.ops.aten
+
+
+class ErfAsTanh(CustomGraphPass):
+    """``erf-tanh``: sim graphs' ``aten.erf`` computed with the tanh approximation (see the docstring)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            val = node.meta.get("val")
+            if node.target is not aten.erf.default or not _on_sim(getattr(val, "device", None)):
+                continue
+            u = node.args[0]
+            with graph.inserting_before(node):
+                steps = [(aten.mul.Tensor, (u, u)), (aten.mul.Tensor, (None, u)),
+                         (aten.mul.Tensor, (None, 0.044715 * 2)), (aten.add.Tensor, (u, None)),
+                         (aten.mul.Tensor, (None, 2 / math.sqrt(math.pi))), (aten.tanh.default, (None,))]
+                prev = None
+                for op, args in steps:
+                    prev = graph.call_function(op, tuple(prev if a is None else a for a in args))
+                    prev.meta["val"] = val
+            node.replace_all_uses_with(prev)
+            graph.erase_node(node)
+
+    def uuid(self) -> str:
+        return "portharness-sim-erf-tanh-1"
+
+
+COMPILER_BUGS: dict[str, type[CustomGraphPass]] = {"erf-tanh": ErfAsTanh}
+_bugs: tuple[str, ...] = ()
+
+
+def set_compiler_bugs(*kinds: str) -> None:
+    """Plant these compiler bugs (none: clean code) in what Inductor generates for sim from now on."""
+    global _bugs
+    bad = [k for k in kinds if k not in COMPILER_BUGS]
+    if bad:
+        raise ValueError(f"sim compiler bug {', '.join(bad)}: expected one of {', '.join(COMPILER_BUGS)}")
+    from torch._inductor import config
+
+    if len(kinds) > 1:
+        raise ValueError("one sim compiler bug at a time (each is Inductor's post-grad custom pass)")
+    current = config.post_grad_custom_post_pass
+    if current is not None and not isinstance(current, tuple(COMPILER_BUGS.values())):
+        raise RuntimeError("Inductor's post_grad_custom_post_pass is someone else's: no sim compiler bug planted")
+    config.post_grad_custom_post_pass = COMPILER_BUGS[kinds[0]]() if kinds else None
+    _bugs = tuple(kinds)
+
+
+def get_compiler_bugs() -> tuple[str, ...]:
+    return _bugs
+
+
+@contextmanager
+def compiler_bugs(*kinds: str) -> Iterator[None]:
+    prev = _bugs
+    set_compiler_bugs(*kinds)
+    try:
+        yield
+    finally:
+        set_compiler_bugs(*prev)
+
+
 def _register() -> None:
     _compile_like_the_cpu()
     register_interface_for_device(BACKEND, SimInterface)
@@ -168,6 +244,7 @@ def _register() -> None:
 
 
 _register()
+set_compiler_bugs(*[k for k in os.environ.get(COMPILER_BUG_ENV, "").split(",") if k])
 
 # What the device module hands Inductor (harness.sim.device.__getattr__).
 CODEGEN = {
