@@ -53,20 +53,29 @@ def unfinished_run(db: Path, lst: Path, done: list[str], settings=EXACT_SETTINGS
 # 1. validation before any run row; --resume never picks an empty run ------------------------------
 
 
-def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path) -> None:
+def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.cli import main as cli_main
+
     lst = a_list(tmp_path)
     db = tmp_path / "r.db"
     rid = unfinished_run(db, lst, ["tiny/bert/base", "tiny/gpt2/base", "tiny/llama/base"])
     before = digest(db)
-    for bad, message in ((["--target", "foo"], "torch knows no device 'foo'"),
-                         (["--spare", "5"], "--spare 5 leaves no active device"),
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--target", "foo", timeout=120)  # a real process
+    assert r.returncode == 2 and "torch knows no device 'foo'" in r.stderr, r.stderr[-1500:]
+    assert len(r.stderr.strip().splitlines()) == 1 and digest(db) == before, r.stderr
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+        monkeypatch.delenv(k)
+    capsys.readouterr()
+    # the rest in this process: each is refused before any worker or row, which the first showed end to end
+    for bad, message in ((["--spare", "5"], "--spare 5 leaves no active device"),
                          (["--jobs", "0"], "--jobs 0"), (["--jobs", "-3"], "--jobs -3"),
                          (["--timeout", "0"], "--timeout 0"), (["--timeout", "-5"], "--timeout -5"),
                          (["--mem-cap-mb", "-100"], "--mem-cap-mb -100"), (["--limit", "-1"], "--limit -1"),
                          (["--shard", "3/2"], "bad shard"), (["--retries", "-1"], "--retries -1")):
-        r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, *bad, timeout=120)
-        assert r.returncode == 2, (bad, r.stderr[-1500:])
-        assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+        assert cli_main(["run", "--list", str(lst), "--db", str(db), *EXACT, *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (bad, err)
         assert digest(db) == before, bad  # nothing written, not even an empty run row
     with ResultStore(db) as st:  # an empty run left by an older portharness must not win the resume
         st.begin_run(RunInfo(list_name=str(lst), target="sim", settings=dict(EXACT_SETTINGS)))
@@ -345,17 +354,24 @@ def one_line(err: str) -> str:
 # item 1: ranges checked before any work -------------------------------------------------------------------------
 
 
-def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path) -> None:
+def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.cli import main as cli_main
+
     lst = a_list(tmp_path, PAIRS[:1])
     db = tmp_path / "r.db"
     unfinished_run(db, lst, [])
     before = digest(db)
-    for bad, message in ((["--seed", "-1"], "--seed -1: must be from 0 to 2**32 - 1"),
-                         (["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be from 0"),
+    r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--seed", "-1", "--quiet")  # a real process
+    assert r.returncode == 2 and "--seed -1: must be from 0 to 2**32 - 1" in one_line(r.stderr), r.stderr[-2000:]
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+        monkeypatch.delenv(k)
+    capsys.readouterr()
+    for bad, message in ((["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be from 0"),
                          (["--oracle-max-params", "-5"], "--oracle-max-params -5: must be >= 0"),
                          (["--fault", "sim:9=error:1.0"], "sim:9 does not exist, sim has 2 device(s)")):
-        r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, *bad, "--quiet")
-        assert r.returncode == 2 and message in one_line(r.stderr), (bad, r.stderr[-2000:])
+        assert cli_main(["run", "--list", str(lst), "--db", str(db), *EXACT, *bad, "--quiet"]) == 2, bad
+        assert message in one_line(capsys.readouterr().err), bad
         assert digest(db) == before, bad
     r = cli("check", "tiny/bert/base", "--seed", "-1")
     assert r.returncode == 2 and "--seed -1" in one_line(r.stderr) and r.stdout == "", r.stderr[-2000:]

@@ -22,7 +22,8 @@ def test_contract_roundings() -> None:
     x = torch.tensor([1.0 + 2**-12, 1.0 + 2**-9, -3.14159265])
     assert torch.equal(contract("bf16-matmul").round_operand(x), x.to(torch.bfloat16).float())
     assert round_tf32(x)[0] == 1.0 and round_tf32(x)[1] == 1.0 + 2**-9  # 10-bit mantissa
-    assert contract("fp32").exact and set(CONTRACTS) == {"fp32", "tf32", "bf16-matmul", "fp16-matmul"}
+    assert contract("fp32").exact and set(CONTRACTS) == {"fp32", "tf32", "bf16-matmul", "fp16-matmul", "amp-bf16", "amp-fp16"}
+    assert not contract("amp-bf16").exact and contract("amp-bf16").amp == torch.bfloat16
     with pytest.raises(ValueError, match="expected one of"):
         contract("fp8")
 
