@@ -1,0 +1,67 @@
+"""A run's configuration: which target and settings, how defensively, and the ranges the runner relies on
+(checked before any work: a value outside them would hang the run or mislabel every model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.run.perf import HARD_CAP
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass
+class RunConfig:
+    """How to run a list: which target, with which backend settings, and how defensively."""
+
+    target: str = "sim"
+    settings: dict[str, Any] = field(default_factory=lambda: {"precision": "default", "ops": "young"})
+    jobs: int = 1  # workers; 0 with the ray executor: one actor per device of the cluster
+    timeout_s: float = 300.0  # per model, from the end of its loading
+    load_timeout_s: float = 900.0  # loading's own budget
+    compile_timeout_s: float = 600.0  # the compiler's own budget (--compile), each time it runs
+    retries: int = 1  # extra attempts per model for suspicious failures
+    spare: int = 0  # devices held back as hot spares
+    quarantine_after: int = 2  # strikes before a device is quarantined
+    mem_cap_mb: int | None = 8192  # address space a worker may add after start-up
+    seed: int = 0
+    localize: bool = True
+    startup_timeout_s: float = 300.0  # a worker that is not ready by then fails the run with a clear error
+    devices: list[str] | None = None  # default: every device of the target's type
+    backends: list[str] = field(default_factory=list)  # modules that register the target's backend
+    repro_dir: str | None = None  # first-diverging-op repros (default: "<db>-repro/" next to the DB)
+    ref_cache: str | None = None  # reference cache directory shared by runs, shards and hosts (None: none)
+    compile_cache: str | None = None  # --compile: caches (default: "<db>-compile-cache/" next to the DB)
+    progress: bool = True
+    fork_workers: bool = False  # workers fork from this process instead of a forkserver (one `check`)
+    rerun_flaky: int = 0  # after the run, sample models whose attempts disagreed this many more times
+    executor: str = "local"  # local: worker processes on this host; ray: one actor per device of a Ray cluster
+    ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
+    perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
+    perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.perf.DEFAULT_BUDGET_S)
+    def validate(self) -> None:
+        """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
+        checks = [
+            (self.executor in EXECUTORS, f"--executor {self.executor!r}: expected one of {', '.join(EXECUTORS)}"),
+            (self.ray_address is None or self.executor == "ray", "--ray-address needs --executor ray"),
+            (self.jobs >= 1 or (self.jobs == 0 and self.executor == "ray"),
+             f"--jobs {self.jobs}: need at least 1 worker"),
+            (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
+            (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),
+            (self.compile_timeout_s > 0, f"--compile-timeout {self.compile_timeout_s}: must be > 0 seconds"),
+            (self.retries >= 0, f"--retries {self.retries}: must be >= 0"),
+            (self.spare >= 0, f"--spare {self.spare}: must be >= 0"),
+            (self.quarantine_after >= 1, f"--quarantine-after {self.quarantine_after}: must be >= 1"),
+            (self.mem_cap_mb is None or self.mem_cap_mb >= 0, f"--mem-cap-mb {self.mem_cap_mb}: must be >= 0 (0: no cap)"),
+            (self.startup_timeout_s > 0, f"startup timeout {self.startup_timeout_s}: must be > 0"),
+            (self.rerun_flaky >= 0, f"--rerun-flaky {self.rerun_flaky}: must be >= 0"),
+            (0 <= self.seed < 2**32, f"--seed {self.seed}: must be from 0 to 2**32 - 1 (the random generators' range)"),
+            (0 < self.perf_budget_s <= 600, f"--perf-budget {self.perf_budget_s}: must be > 0 and at most 600 seconds"),
+            (not self.perf or self.perf_budget_s * HARD_CAP < self.timeout_s,
+             f"--perf-budget {self.perf_budget_s}: a slow model may take {HARD_CAP:g}x that, past --timeout "
+             f"{self.timeout_s:g}; raise --timeout or lower the budget"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
