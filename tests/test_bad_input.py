@@ -520,7 +520,14 @@ def test_ctrl_c_to_the_process_group_prints_one_clean_message(tmp_path: Path, pa
     proc, db, _ = _start_mid_run(tmp_path, patho, "intr")
     sid = os.getsid(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # stuck: fail with where the supervisor is (faulthandler on SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"still running 60 s after Ctrl-C; its stacks:\n{err[-6000:]}")
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "portharness: interrupted; finished rows are saved (use --resume)"

@@ -8,6 +8,7 @@ written, no old file touched), 130 = Ctrl-C, 143 = SIGTERM, 141 = the reader of 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -47,6 +48,12 @@ def _stdout_gone() -> bool:
         return False
 
 
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C: every `finally` runs (workers are stopped), then exit 143."""
 
@@ -58,6 +65,10 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    if hasattr(signal, "SIGUSR1") and threading_main():
+        # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: what a stuck run
+        # is doing, without a debugger
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
