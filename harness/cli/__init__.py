@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     if hasattr(signal, "SIGUSR1") and threading_main():
         # `kill -USR1 <pid>` prints every thread's stack to stderr and the run goes on: what a stuck run
-        # is doing, without a debugger
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # is doing, without a debugger (not where stderr is no file, e.g. captured in-process)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr.fileno(), all_threads=True)
+        except (AttributeError, OSError, ValueError, RuntimeError):
+            pass
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:
