@@ -274,8 +274,9 @@ print(json.dumps({{"out": out, "before": before, "after": snapshot(full),
 """)
     for name, r in res["out"].items():
         assert r["rc"] == 2, (name, r["err"][-3000:])
-        line = r["err"].strip().splitlines()[-1]  # `run` has printed its banner: the disk filled after its checks
-        assert "no space left on the device (ENOSPC)" in line and str(full) in line, (name, r["err"][-3000:])
+        lines = r["err"].strip().splitlines()  # one line, `run` too: a new DB is made whole before its banner
+        assert len(lines) == 1 and "no space left on the device (ENOSPC)" in lines[0] and str(full) in lines[0], \
+            (name, r["err"][-3000:])
         assert "Traceback" not in r["err"], (name, r["err"][-3000:])
     assert res["after"] == res["before"]  # the old site, CSV, expected file, history and DB: byte for byte
     assert res["names"] == [".filler", "e.csv", "h.jsonl", "m.csv", "m.db", "site"]  # no temp file, nothing new

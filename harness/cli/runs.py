@@ -180,6 +180,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         from harness.files import output_error
 
         raise output_error(args.db, e) from None
+    if not os.path.exists(args.db):  # a new DB is made whole now: a disk too full for it says so before the banner
+        from harness.results.store import ResultStore
+
+        ResultStore(args.db).close()
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
           + (f"{jobs or len(fleet.active)} Ray actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
