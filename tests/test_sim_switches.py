@@ -268,3 +268,37 @@ def test_slow_ops_spec_and_switch():
         assert sim.get_slow_ops() == {"aten::softmax": 4.0}
         got = torch.softmax(x.to("sim"), -1).cpu()
     assert sim.get_slow_ops() == {} and torch.equal(got, torch.softmax(x, -1))  # slower, never different
+
+
+def _python_calls_per_forward(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Python functions of sim's own (harness/sim) entered during one forward: its ops' callbacks."""
+    calls, home = 0, os.path.dirname(sim.__file__)
+
+    def prof(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(home):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        model(x)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_with_every_switch_off_no_op_enters_python() -> None:
+    """Issue 27: one C++ path per op; Python only while a switch needs it (here: a fault on the device
+    and a planted numerics bug, each of which must show up, so the count can fail)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8), torch.nn.Softmax(-1)).to("sim")
+    x = torch.randn(4, 32, device="sim")
+    model(x)  # warm: lazy initialisations on first use are not per-op costs
+    assert _python_calls_per_forward(model, x) == 0
+    with sim.faults("sim:0", nan=0.0):
+        assert _python_calls_per_forward(model, x) > 0  # the fault check calls back into Python
+    with sim.numerics_bugs("softmax-no-max", "gelu-mixup"):  # kernels of their own, in Python
+        model(x)
+        assert _python_calls_per_forward(model, x) > 0
+    assert _python_calls_per_forward(model, x) == 0
