@@ -19,6 +19,7 @@ global-state nodes (autocast and grad-mode switches) are not replayed.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,13 +80,60 @@ def _float_value(node: torch.fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
+_INPLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+            operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+            operator.setitem}
+_VIEWS = {"view", "reshape", "view_as", "reshape_as", "transpose", "permute", "t", "flatten", "unflatten",
+          "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select", "unbind", "split", "chunk", "detach",
+          "contiguous", "as_strided", "unfold", "diagonal", "movedim", "swapaxes", "real", "imag", "__getitem__",
+          "getitem"}
+
+
+def _name(n: torch.fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+
+
+def _written(n: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose tensor `n` writes into, if `n` is an in-place op (``x += y``, ``x.add_(y)``,
+    ``x[i] = v``, ``relu(x, inplace=True)``, ``out=``)."""
+    first = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+    if n.op == "call_function" and (n.target in _INPLACE or n.kwargs.get("inplace") is True):
+        return first
+    if n.op in ("call_function", "call_method") and isinstance(n.kwargs.get("out"), torch.fx.Node):
+        return n.kwargs["out"]
+    name = _name(n)
+    if n.op in ("call_function", "call_method") and name.endswith("_") and not name.startswith("_"):
+        return first
+    return None
+
+
+def _mutated_later(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes whose tensor a later node writes into, directly or through a view. The compiled copy returns
+    such a node's tensor as it is at the end of the graph (as eager code would), while the replay judges the
+    value the node computed: they must not be compared. In-place nodes are not judged either: the replay
+    runs them on the CPU for their effect on the tensors after them."""
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    out: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        base = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        r = root.get(base, base) if base is not None and (_name(n) in _VIEWS or _written(n) is base) else n
+        root[n] = r
+        members.setdefault(r, []).append(n)
+        w = _written(n)
+        if w is not None:
+            out.update(m for m in members.get(root.get(w, w), [w]) if m is not n)
+    return out
+
+
 def _with_every_node(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], int]:
     """(copy of `gm` also returning every float-valued call node, those nodes in order, original outputs)."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
+    mutated = _mutated_later(gm)
     judged = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
-              and n.target not in _STATE and _float_value(n)]
+              and n.target not in _STATE and _float_value(n) and n not in mutated and _written(n) is None]
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     graph.output((*outs, *[env[n] for n in judged]))
     return torch.fx.GraphModule(gm, graph), judged, len(outs)
