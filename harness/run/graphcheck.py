@@ -163,6 +163,7 @@ class _Replay(torch.fx.Interpreter):
         self.amp = amp
         self.failure: tuple[torch.fx.Node, float | None, str, float | None, list[str], str] | None = None
         self.checked = 0
+        self.recomputed: set[torch.fx.Node] = set()
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op == "placeholder" or n.op == "output" or n.op == "get_attr":
@@ -171,10 +172,13 @@ class _Replay(torch.fx.Interpreter):
             return None
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = tree_map(lambda x: _cpu_devices(x, self.device_type), (args, kwargs))
-        if n not in self.compiled:
+        if n not in self.compiled:  # not judged (a later op writes into it): computed here, in fp32
+            self.recomputed.add(n)
             return getattr(self, n.op)(n.target, args, kwargs)
         target = self.compiled[n]
-        if self.failure is None:
+        # a node fed a value computed here rather than the target's (which did not follow the contract's
+        # rounding) is not judged; it passes its compiled value on, so the nodes after it are judged again
+        if self.failure is None and not self.recomputed.intersection(n.all_input_nodes):
             self._judge(n, target, args, kwargs)
         return target
 
