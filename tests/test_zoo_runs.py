@@ -89,6 +89,20 @@ def test_smoke_list_in_generate_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_smoke_list_compiled_with_inductor_on_sim(tmp_path: Path) -> None:
+    """Inductor's generated code on sim over smoke (minutes cold on two cores): no compiled drift (the graph
+    check judges every node of the compiled graphs); every row that does not run also fails eagerly on sim,
+    so none is the compiler's; graph breaks are counted with their reasons."""
+    entries, rows = _run(tmp_path, "smoke", {"precision": "default", "ops": "young", "compile": "inductor"})
+    assert len(rows) == len(entries)
+    bad = [(r["model_id"], r["outcome"], r["eager_outcome"]) for r in rows if r["outcome"] not in ("pass", "pass_declared")]
+    assert all(outcome != "drift" and eager not in ("", "pass", "pass_declared") for _, outcome, eager in bad), bad
+    compiled = [r for r in rows if r["outcome"] in ("pass", "pass_declared")]
+    assert all(r["graph_count"] and r["compile_s"] is not None for r in compiled)
+    assert all(len(r["graph_break_reasons"]) == min(3, r["graph_breaks"]) for r in compiled if r["graph_breaks"])
+
+
+@pytest.mark.slow
 def test_full_tiny_zoo(tmp_path: Path) -> None:
     entries, rows = _run(tmp_path, "tiny-zoo", {"precision": "default", "ops": "young"})
     assert len(entries) >= 1000
