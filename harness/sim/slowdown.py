@@ -1,9 +1,10 @@
 """Planted slowdowns: one op's kernel N times slower, for testing speed verdicts.
 
 A speed regression on real hardware is usually one kernel that got slower (a lost fusion, a fallback
-to a slow path). ``aten::_softmax:3`` makes every softmax kernel on sim take three times as long: the
-extra time is spent busy on the host (sim's device), so wall clocks and profilers (self time by op)
-both see it. Names are as sim's op census spells them (``aten::_softmax``, ``aten::addmm``,
+to a slow path). ``aten::_softmax:3`` makes every softmax on sim take three times as long, measured over
+the whole op as sim runs it (its arguments' host views, the kernel, adopting the outputs: what a profiler
+attributes to the op): the extra time is spent busy on the host (sim's device), so wall clocks and
+profilers (self time by op) both see it. Names are as sim's op census spells them (``aten::_softmax``, ``aten::addmm``,
 ``aten::add.Tensor``); ``aten::softmax`` also names ``aten::_softmax``, the kernel under the composite
 a model calls.
 
