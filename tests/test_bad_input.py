@@ -235,6 +235,22 @@ def _wait_gone(sid: int, seconds: float = 30.0) -> list[int]:
     return _session_pids(sid)
 
 
+def _as_a_shell_starts_it() -> None:
+    """A shell starts a foreground command with Ctrl-C's default action and no signal blocked; a test
+    process may have inherited otherwise (an ignored SIGINT survives exec, and Python then installs no
+    KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _signal_state(pid: int) -> str:
+    try:
+        return " ".join(line.strip() for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return f"(no /proc status: {e})"
+
+
 def _start_mid_run(tmp_path: Path, patho, name: str) -> tuple[subprocess.Popen, Path, list[str]]:
     lst = tmp_path / f"{name}.csv"
     lst.write_text(LIST_HEADER + list_rows(PAIRS[:2]) + patho.rows(dict([patho("hang")])))
@@ -242,7 +258,7 @@ def _start_mid_run(tmp_path: Path, patho, name: str) -> tuple[subprocess.Popen, 
     args = ["run", "--list", str(lst), "--db", str(db), *EXACT, "--jobs", "2", "--quiet", "--timeout", "300",
             "--retries", "0"]
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_as_a_shell_starts_it)
     deadline = time.time() + 240
     while time.time() < deadline:  # the two quick models done, the hanging one in flight
         time.sleep(0.3)
@@ -523,11 +539,12 @@ def test_ctrl_c_to_the_process_group_prints_one_clean_message(tmp_path: Path, pa
     try:
         _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:  # stuck: fail with where the supervisor is (faulthandler on SIGUSR1)
+        state = _signal_state(proc.pid)  # SIGINT (2) is mask 0x2: blocked, ignored or caught?
         proc.send_signal(signal.SIGUSR1)
         time.sleep(3)
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=30)
-        pytest.fail(f"still running 60 s after Ctrl-C; its stacks:\n{err[-6000:]}")
+        pytest.fail(f"still running 60 s after Ctrl-C; its signal state: {state}; its stacks:\n{err[-6000:]}")
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "portharness: interrupted; finished rows are saved (use --resume)"
