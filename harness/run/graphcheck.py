@@ -172,7 +172,7 @@ class _Replay(torch.fx.Interpreter):
             return None
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         args, kwargs = tree_map(lambda x: _cpu_devices(x, self.device_type), (args, kwargs))
-        if n not in self.compiled:  # not judged (a later op writes into it): computed here, in fp32
+        if n not in self.compiled:  # not judged (no float tensor, or a later op writes into it): computed here
             self.recomputed.add(n)
             return getattr(self, n.op)(n.target, args, kwargs)
         target = self.compiled[n]
