@@ -250,3 +250,22 @@ def test_autocast_uses_cudas_op_lists():
         loss = lin(xs).float().pow(2).mean()
     loss.backward()
     assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device.type == "sim"
+
+
+def test_inductor_serves_sim_when_it_compiled_for_the_cpu_before_sim_was_imported():
+    """Inductor registers its devices once, at its first compile: sim imported after a CPU compile must
+    still get its code generators (it failed with InductorError KeyError 'sim')."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "torch.compile(lambda x: torch.tanh(x) * 2)(torch.randn(8))\n"
+            "import harness.sim\n"
+            "x = torch.randn(8)\n"
+            "y = torch.compile(lambda x: torch.sin(x) + 1)(x.to('sim'))\n"
+            "assert y.device.type == 'sim', y\n"
+            "torch.testing.assert_close(y.cpu(), torch.sin(x) + 1)  # generated code: within fp32 rounding\n"
+            "print('ok')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("PORTHARNESS_")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import torch
 
@@ -150,6 +151,9 @@ def _register() -> None:
     importlib.import_module(".numerics", __package__).plant_from_env()
     if os.environ.get("PORTHARNESS_SIM_COMPILER_BUG"):  # a compiler bug: Inductor must know before compiling
         importlib.import_module(".inductor", __package__)
+    common = sys.modules.get("torch._inductor.codegen.common")
+    if common is not None:  # Inductor registered its devices before sim existed: it asks again next compile
+        common.init_backend_registration.cache_clear()
     _printable()
     _registered = True
 
