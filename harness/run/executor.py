@@ -26,7 +26,8 @@ def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_m
         from harness.run.raypool import RayPool
 
         return RayPool(mem_cap_mb=mem_cap_mb, env=worker_env, backends=backends, timeout_s=timeout_s,
-                       load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s, usable=usable)
+                       load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s,
+                       compile_timeout_s=compile_timeout_s, usable=usable)
     threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
     # One `check` forks its worker from this process, which has imported torch and transformers
     # already (a forkserver would import them a second time); a run starts a forkserver, so that no

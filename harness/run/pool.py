@@ -13,6 +13,7 @@ environment.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -46,6 +47,38 @@ def context(preload: Iterable[str] = PRELOAD) -> Any:
         else:
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = prev
     return ctx
+
+
+def enter_phase(w: Any, name: str, now: float) -> None:
+    """Worker `w`'s job entered phase `name` at `now`: where its time budget window starts (`deadline`).
+    Any executor's worker: it has started, phase, phase_started and spent."""
+    if w.phase == "load" or not w.phase:
+        w.phase_started = now  # the compute budget starts when loading ends
+    elif name == COMPILE or w.phase == COMPILE:  # the compiler has its own budget, each time it runs
+        if w.phase != COMPILE:
+            w.spent += now - w.phase_started
+        w.phase_started = now
+    w.phase = name
+
+
+def deadline(w: Any, timeout_s: float, load_timeout_s: float | None, compile_timeout_s: float | None) -> float:
+    """When `w`'s job runs out of time: loading has its own budget, and so has the compiler each time it
+    runs; the rest of the job has `timeout_s` from the end of loading, the compiler's time left out."""
+    if load_timeout_s is not None and w.phase in ("", "load"):
+        return w.started + max(load_timeout_s, 0.0)
+    if compile_timeout_s is not None and w.phase == COMPILE:
+        return w.phase_started + compile_timeout_s
+    return w.phase_started + timeout_s - w.spent
+
+
+def next_check(w: Any, now: float, timeout_s: float, load_timeout_s: float | None,
+               compile_timeout_s: float | None) -> float:
+    """For a supervisor that sees `w`'s phase only when it looks (a Ray actor's, read from its node):
+    when to look next, so that no deadline passes unseen. The deadline as of now, or sooner if a phase
+    change could bring it (loading ends: `timeout_s` from then; the compiler starts or stops)."""
+    compute = timeout_s - (0.0 if w.phase in ("", "load") else w.spent)
+    soonest = min(compute, compile_timeout_s if compile_timeout_s is not None else math.inf)
+    return min(deadline(w, timeout_s, load_timeout_s, compile_timeout_s), now + max(1.0, soonest))
 
 
 class ExecutorError(RuntimeError):
@@ -196,14 +229,7 @@ class Pool:
                 w.ready = True
                 out.append(Event("ready", w, msg))
             elif msg.get("type") == "phase":
-                now, name = time.monotonic(), msg["name"]
-                if w.phase == "load" or not w.phase:
-                    w.phase_started = now  # the compute budget starts when loading ends
-                elif name == COMPILE or w.phase == COMPILE:  # the compiler has its own budget, each time it runs
-                    if w.phase != COMPILE:
-                        w.spent += now - w.phase_started
-                    w.phase_started = now
-                w.phase = name
+                enter_phase(w, msg["name"], time.monotonic())
             elif msg.get("type") == "result":
                 out.append(Event("result", w, msg["result"]))
                 w.done += 1
@@ -213,13 +239,7 @@ class Pool:
         return out
 
     def _deadline(self, w: Worker) -> float:
-        """Loading has its own budget, and so has the compiler each time it runs; the rest of the job has
-        `timeout_s` from the end of loading, the compiler's time left out."""
-        if self.load_timeout_s is not None and w.phase in ("", "load"):
-            return w.started + max(self.load_timeout_s, 0.0)
-        if self.compile_timeout_s is not None and w.phase == COMPILE:
-            return w.phase_started + self.compile_timeout_s
-        return w.phase_started + self.timeout_s - w.spent
+        return deadline(w, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
 
     def _deadlines(self) -> list[Event]:
         now = time.monotonic()

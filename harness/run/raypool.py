@@ -8,8 +8,9 @@ a custom `sim` resource for sim: `Adapter.ray_resource`) on its slot's node, loa
 and runs models through the worker's own code (`rayactor.py`).
 
 Events: ready, result, died (the actor process died under a model: the signal and phase come from
-its node, `rayactor.autopsy`), timeout and startup (deadlines kept here, as in `Pool`, from the
-phases actors post to the run's `PhaseBoard`: the actor is killed and the runner replaces it),
+its node, `rayactor.autopsy`), timeout and startup (deadlines as `Pool`'s, read from the actor's node
+with `rayactor.peek` once a job has run as long as its shortest budget: the actor is killed and the
+runner replaces it),
 `lost` (the actor's node left the cluster) and `interrupted` (Ray could not reach the actor; it is
 ended). Neither of the last two says anything about the model: the runner re-runs it elsewhere (and
 takes a lost node's devices out of the fleet).
@@ -31,11 +32,11 @@ from urllib.parse import urlsplit
 
 from harness import files
 from harness.backends import adapter_for, device_type
-from harness.run.pool import Event, ExecutorError
+from harness.run.pool import Event, ExecutorError, deadline, next_check
 
-_HEAD = {"node:__internal_head__": 0.001}  # Ray's resource that only its head node has
 RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
 CONNECT_TIMEOUT_S = 10.0
+PEEK_TIMEOUT_S = 30.0
 AUTOPSY_TIMEOUT_S = 60.0
 # faulthandler's words for the fatal signals it reports
 _FATAL = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
@@ -174,10 +175,9 @@ class RayWorker:
 
     noun = "actor"
 
-    def __init__(self, actor_cls: Any, slot: Slot, args: tuple, token: str) -> None:
+    def __init__(self, actor_cls: Any, slot: Slot, args: tuple, first_check_s: float) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.token = token  # its name on the phase board
         self.slot = slot
         self.key = slot.key
         self.host = slot.host
@@ -189,7 +189,8 @@ class RayWorker:
         else:
             opts["resources"] = {slot.resource: 1}
         local = f"{device_type(slot.device)}:0" if slot.assigned else slot.device
-        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args, token)
+        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args)
+        self.first_check_s = first_check_s  # the shortest budget a job can have
         self.hello: Any = self.actor.hello.remote()
         self.born = time.monotonic()
         self.ready = False
@@ -197,11 +198,11 @@ class RayWorker:
         self.started = 0.0
         self.phase = ""
         self.phase_started = 0.0
+        self.spent = 0.0  # as a local worker's (`pool.enter_phase`), as last read from its node
+        self.check_at = 0.0  # when the driver next reads the job's budget from its node
         self.done = 0
         self.killed_for: str | None = None
         self.pid = 0
-        self.seq = 0
-        self.seen = 0  # phases of the current job heard from the board
         self.run_ref: Any = None
         self.signal: int | None = None
         self.cause = ""  # what Ray or the node said about its death
@@ -215,9 +216,9 @@ class RayWorker:
         self.job = job
         self.started = self.phase_started = time.monotonic()
         self.phase = ""
-        self.seq += 1
-        self.seen = 0
-        self.run_ref = self.actor.run.remote(self.seq, payload)
+        self.spent = 0.0
+        self.check_at = self.started + self.first_check_s
+        self.run_ref = self.actor.run.remote(payload)
 
     def kill(self, reason: str) -> None:
         import ray
@@ -249,21 +250,19 @@ class RayPool:
 
     def __init__(self, *, mem_cap_mb: int | None, env: dict[str, str], backends: list[str], timeout_s: float,
                  load_timeout_s: float | None = None, startup_timeout_s: float | None = None,
-                 usable: Callable[[str], bool] = lambda key: True) -> None:
+                 compile_timeout_s: float | None = None, usable: Callable[[str], bool] = lambda key: True) -> None:
         import ray
 
-        from harness.run.rayactor import DeviceActor, PhaseBoard, autopsy
+        from harness.run.rayactor import DeviceActor, autopsy, peek
 
         self.ray = ray
         self.actor_cls = ray.remote(DeviceActor)
         self.autopsy = ray.remote(num_cpus=0, max_retries=0)(autopsy)
-        # on the head node: the board lives as long as the cluster does
-        self.board = ray.remote(PhaseBoard).options(num_cpus=0, max_concurrency=4, resources=_HEAD).remote()
-        self.board_version = 0
-        self.board_ref: Any = None
-        self.args = (mem_cap_mb, env, backends, self.board)
+        self.peek = ray.remote(num_cpus=0, max_retries=0)(peek)
+        self.args = (mem_cap_mb, env, backends)
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
+        self.compile_timeout_s = compile_timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.usable = usable
         self.workers: list[RayWorker] = []
@@ -283,7 +282,8 @@ class RayPool:
             self.workers.append(held)
             return held
         self.started += 1
-        w = RayWorker(self.actor_cls, _slots[key], self.args, token=f"actor-{self.started}")
+        budgets = [b for b in (self.timeout_s, self.load_timeout_s, self.compile_timeout_s) if b is not None]
+        w = RayWorker(self.actor_cls, _slots[key], self.args, first_check_s=max(0.0, min(budgets)))
         self.workers.append(w)
         return w
 
@@ -297,23 +297,17 @@ class RayPool:
     # -- events ------------------------------------------------------------------------------
 
     def _deadline(self, w: RayWorker) -> float:
-        if self.load_timeout_s is not None and w.phase in ("", "load"):
-            return w.started + max(self.load_timeout_s, 0.0)
-        return w.phase_started + self.timeout_s
+        return deadline(w, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
 
     def poll(self, max_wait: float = 1.0) -> list[Event]:
         """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
         now = time.monotonic()
-        waits = [max_wait, *(self._deadline(w) - now for w in self.workers if w.busy)]
+        waits = [max_wait, *(w.check_at - now for w in self.workers if w.busy)]
         refs: dict[Any, tuple[RayWorker | None, str]] = {}
         for w in self.workers:
             for kind, ref in (("hello", w.hello), ("run", w.run_ref)):
                 if ref is not None:
                     refs[ref] = (w, kind)
-        if any(w.busy for w in self.workers):
-            if self.board_ref is None:
-                self.board_ref = self.board.wait.remote(self.board_version)
-            refs[self.board_ref] = (None, "board")
         timeout = max(0.0, min(waits))
         ready: list[Any] = []
         try:
@@ -327,12 +321,9 @@ class RayPool:
             raise ExecutorError(f"lost the Ray cluster ({str(e).splitlines()[0][:200]}); the finished rows are "
                                 "saved: rerun with --resume once it is back") from None
         events: list[Event] = []
-        order = {"hello": 0, "board": 1, "run": 2}  # a job's phases before its result
-        for ref in sorted(ready, key=lambda r: order[refs[r][1]]):
+        for ref in sorted(ready, key=lambda r: refs[r][1] != "hello"):
             w, kind = refs[ref]
-            if kind == "board":
-                self._on_board(ref)
-            elif w in self.workers:
+            if w in self.workers:
                 events.extend(getattr(self, f"_on_{kind}")(w, ref))
         events.extend(self._deadlines())
         return events
@@ -359,23 +350,25 @@ class RayPool:
         w.ready = True
         return [Event("ready", w, info)]
 
-    def _on_board(self, ref: Any) -> None:
-        self.board_ref = None
+    def _peek(self, w: RayWorker) -> bool:
+        """Read `w`'s job's phase and time budget from its node (`rayactor.peek`); False if it cannot."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         try:
-            self.board_version, posts = self.ray.get(ref)
-        except self.ray.exceptions.RayError as e:
-            raise ExecutorError(f"lost the run's phase board on the head node ({_ray_reason(str(e))}); the finished "
-                                "rows are saved: rerun with --resume") from None
-        by_token = {w.token: w for w in self.workers}
-        for token, (seq, phases) in posts.items():
-            w = by_token.get(token)
-            if w is None or seq != w.seq or not w.busy:
-                continue
-            for name in phases[w.seen:]:
-                if w.phase == "load" or not w.phase:
-                    w.phase_started = time.monotonic()  # the compute budget starts when loading ends
-                w.phase = name
-            w.seen = len(phases)
+            got = self.ray.get(self.peek.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                w.slot.node_id, soft=False)).remote(w.pid), timeout=PEEK_TIMEOUT_S)
+        except Exception:  # the node or the actor is going: its death or loss is the next event
+            return False
+        if got is not None and w.busy:
+            now = time.monotonic()
+            w.phase, _, window_age, w.spent = got
+            w.phase_started = now - window_age
+        return True
+
+    def _catch_up(self, w: RayWorker) -> None:
+        """The phase `w`'s job is in, for judging its end."""
+        if w.busy and w.pid:
+            self._peek(w)
 
     def _on_run(self, w: RayWorker, ref: Any) -> list[Event]:
         w.run_ref = None
@@ -384,6 +377,7 @@ class RayPool:
         except self.ray.exceptions.RayActorError as e:
             return [self._dead(w, e)]
         except self.ray.exceptions.RayError as e:  # the reply itself failed (it could not be unpickled, ...)
+            self._catch_up(w)
             w.kill("harness")
             w.cause = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
             return [Event("died", w)]
@@ -419,26 +413,39 @@ class RayPool:
             w.cause = "killed by Ray's memory monitor (the node ran low on memory)"
             return Event("died", w)
         if w.pid:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             try:
-                phase, w.fatal = self.ray.get(self.autopsy.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(w.slot.node_id, soft=False)).remote(w.pid),
-                    timeout=AUTOPSY_TIMEOUT_S)
+                w.fatal = self._autopsy(w)
             except Exception:  # the node went while we asked
                 return Event("lost", w) if not self._node_alive(w) else Event("died", w)
-            if w.busy and phase:
-                w.phase = phase  # where the model really was (the driver's view may lag by a message)
             w.signal = next((s for words, s in _FATAL.items() if f"Fatal Python error: {words}" in w.fatal), None)
         return Event("died", w)
 
+    def _autopsy(self, w: RayWorker) -> str:
+        """What dead actor `w` left on its node: the phase its job was in becomes `w.phase`; returns its
+        fatal-signal report. Raises when the node cannot answer."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        phase, fatal = self.ray.get(self.autopsy.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(w.slot.node_id, soft=False)).remote(w.pid),
+            timeout=AUTOPSY_TIMEOUT_S)
+        if w.busy and phase:
+            w.phase = phase
+        return fatal
+
     def _deadlines(self) -> list[Event]:
-        now = time.monotonic()
         events = []
         for w in list(self.workers):
-            if w.busy and now > self._deadline(w):
-                w.kill("timeout")
-                events.append(Event("timeout", w))
+            now = time.monotonic()
+            if w.busy and now > w.check_at:
+                if not w.pid or not self._peek(w):
+                    w.check_at = now + 1.0
+                    continue
+                now = time.monotonic()
+                if now > self._deadline(w):
+                    w.kill("timeout")
+                    events.append(Event("timeout", w))
+                else:
+                    w.check_at = next_check(w, now, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
             elif not w.ready and self.startup_timeout_s and now - w.born > self.startup_timeout_s:
                 w.kill("startup")
                 events.append(Event("startup", w))
@@ -449,7 +456,6 @@ class RayPool:
             w.stop()
         self.workers.clear()
         self.holders.clear()
-        self.ray.kill(self.board)
 
 
 def _ray_reason(text: str) -> str:
