@@ -10,9 +10,13 @@ planted run per ``--slow-ops`` spec, and, with ``--no-perf-run``, a run without 
 adds). Then:
 
 - false positives: `diff` of A against B (the gate's own code, default threshold): models flagged / compared;
-- catch rate: B against each planted run. A model *must* be caught when the planted op's share of its step makes a slowdown
-  of at least the threshold: ``1 + (factor - 1) * share``, the share read from B's op profile (self time of
-  the planted op over the step's; an upper bound, since sim's own dispatch time in that op is not slowed).
+- catch rate: B against each planted run. A model *must* be caught when the plant makes its step at least the
+  threshold slower. That is measured, not predicted: each model once more in this process, its step timed
+  as --perf times it (`harness.run.perf.measure`, sim's clock), with a second step beside it that runs the
+  same step with the op planted (`harness.sim.slow_ops`), the two interleaved round by round; the model's
+  slowdown is the median of the per-round ratios (both in one process a few ms apart: the machine's load
+  cancels). The prediction from B's op profile, ``1 + (factor - 1) * share`` (the op's self time over the
+  profile's), is printed beside it: the profiler's per-call cost inflates small ops, so it overstates.
   Reported: the models that must be caught, those flagged, those whose flag names the op, and the flags among
   the others (with their measured slowdown).
 
@@ -27,6 +31,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -62,8 +67,65 @@ def share(perf: dict, ops: list[str]) -> float:
     return sum(us for op, us in prof.get("ops") or [] if op in names) / total if total else 0.0
 
 
-def catch(b, planted, spec: str, threshold: float) -> dict:
-    """The planted run against clean B: which models must be caught (by B's op profile), which were."""
+def true_slowdowns(args: argparse.Namespace, models: list[str], spec: str, out: Path) -> dict[str, dict]:
+    """Each model's slowdown under the plant `spec`, measured in one process (`_paired` in a child)."""
+    path = out / f"true-{spec.replace(':', '_')}.json"
+    if not (args.reuse and path.exists()):
+        cmd = [sys.executable, __file__, "--paired", spec, "--list", args.list, "--settings", args.settings,
+               "--out", str(out), "--perf-budget", str(args.perf_budget)]
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "PORTHARNESS_SIM_DEVICES": "1"})
+        print(f"  paired clean/planted {spec}, one process: {time.perf_counter() - t0:.0f} s", flush=True)
+    got = json.loads(path.read_text())
+    return {m: got[m] for m in models if m in got}
+
+
+def _paired(spec: str, args: argparse.Namespace, out: Path) -> None:
+    """In this process: every model of the list through the real pipeline with --perf, whose timing (the
+    same `measure` call) gets a ``planted`` step beside ``target``: the target step with `spec` planted."""
+    import shlex
+
+    import harness.run.perf as perf
+    from harness.backends import adapter_for
+    from harness.cli.options import build_parser
+    from harness.models.model_list import load_model_list
+    from harness.run.pipeline import Task, run_one
+    from harness.sim import slow_ops
+    from harness.speed import ratios, summarize
+
+    measure = perf.measure
+
+    def paired(steps: dict, **kw):
+        target = steps["target"]
+
+        def planted() -> None:
+            with slow_ops(spec):
+                target()
+
+        res = measure({"target": target, "planted": planted}, **kw)
+        samples = res["perf"].get("samples_us") or {}
+        if samples.get("target") and samples.get("planted"):
+            res["perf"]["slowdown"] = summarize(ratios(samples["planted"], samples["target"]))
+        return res
+
+    perf.measure = paired
+    opts = build_parser().parse_args(["run", "--list", args.list, *shlex.split(args.settings)])
+    options = {"precision": opts.precision, **{k: getattr(opts, k) for k in ("ops", "attn") if getattr(opts, k)}}
+    settings = adapter_for("sim").check_settings(options)
+    result = {}
+    for entry in load_model_list(args.list):
+        m = run_one(Task(entry=asdict(entry), target="sim:0", settings=settings, localize=False, perf=True,
+                         perf_budget_s=args.perf_budget))
+        slow = (m.perf or {}).get("slowdown") if isinstance(m.perf, dict) else None
+        if slow:
+            result[entry.id] = {"median": round(slow["median"], 4), "lo": round(slow["lo"], 4),
+                                "hi": round(slow["hi"], 4), "n": slow["n"]}
+    (out / f"true-{spec.replace(':', '_')}.json").write_text(json.dumps(result, indent=1))
+
+
+def catch(b, planted, spec: str, threshold: float, true: dict[str, dict]) -> dict:
+    """The planted run against clean B: which models must be caught (measured slowdown >= threshold), which were."""
     (op, factor), *_ = parse_slow_ops(spec).items()
     b_perf = {r["model_id"]: r["perf"] for r in b.to_dict("records") if isinstance(r.get("perf"), dict) and r["perf"]}
     res = diff_runs(b, planted, perf_threshold=threshold)
@@ -71,16 +133,19 @@ def catch(b, planted, spec: str, threshold: float) -> dict:
     must, others = [], []
     for model, perf in sorted(b_perf.items()):
         s = share(perf, [op])
-        row = {"model": model, "share": round(s, 4), "predicted": round(1 + (factor - 1) * s, 3)}
+        t = true.get(model, {})
+        row = {"model": model, "share": round(s, 4), "predicted": round(1 + (factor - 1) * s, 3),
+               "true": t.get("median"), "true_lo": t.get("lo"), "true_hi": t.get("hi")}
         ch = flagged.get(model)
         if ch is not None:
             row.update(flagged=True, slowdown=round(ch.slowdown, 3), op=ch.op, detail=ch.detail)
-        (must if row["predicted"] >= threshold else others).append(row)
+        (must if (row["true"] or 0) >= threshold else others).append(row)
     name = op.split("::")[1].lstrip("_")
     return {"slow_ops": spec, "compared": res.perf.compared, "must_catch": len(must),
             "caught": sum(1 for r in must if r.get("flagged")),
             "op_named": sum(1 for r in must if r.get("flagged") and name in (r.get("op") or "")),
             "flagged_among_others": [r for r in others if r.get("flagged")], "others": len(others), "must": must,
+            "near": [r for r in others if (r["true"] or 0) >= 1 + 0.9 * (threshold - 1)],
             "geomean": res.perf.geomean}
 
 
@@ -95,10 +160,15 @@ def main() -> int:
     ap.add_argument("--threshold", type=float, default=1.2)
     ap.add_argument("--no-perf-run", action="store_true", help="also run once without --perf (the time --perf adds)")
     ap.add_argument("--reuse", action="store_true", help="reuse the DBs already in --out (analysis only)")
+    ap.add_argument("--perf-budget", type=float, default=1.0, help="--perf-budget of the paired measurement")
+    ap.add_argument("--paired", default=None, help=argparse.SUPPRESS)  # the child of `true_slowdowns`
     args = ap.parse_args()
     specs = args.slow_ops or ["aten::softmax:3"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.paired:
+        _paired(args.paired, args, out)
+        return 0
     dbs = {"clean_a": out / "clean_a.db", "clean_b": out / "clean_b.db", "no_perf": out / "no_perf.db",
            **{spec: out / f"planted-{i}.db" for i, spec in enumerate(specs)}}
     walls: dict[str, float] = {}
@@ -116,7 +186,9 @@ def main() -> int:
 
     a, b = frame(dbs["clean_a"]), frame(dbs["clean_b"])
     clean = diff_runs(a, b, perf_threshold=args.threshold)
-    planted = [catch(b, frame(dbs[spec]), spec, args.threshold) for spec in specs]
+    models = sorted(b["model_id"])
+    planted = [catch(b, frame(dbs[spec]), spec, args.threshold, true_slowdowns(args, models, spec, out))
+               for spec in specs]
     perf_s = [r["phases"]["perf"]["s"] for r in b.to_dict("records")
               if isinstance(r.get("phases"), dict) and "perf" in r["phases"]]
     result = {
@@ -133,13 +205,17 @@ def main() -> int:
           f"(head/base geomean {fp['geomean']:.3f}) {fp['flagged']} {fp['details']}")
     for pl in planted:
         print(f"planted {pl['slow_ops']}: {pl['must_catch']} model(s) where it makes >= {args.threshold}x "
-              f"(1 + (factor - 1) x share); caught {pl['caught']}, op named {pl['op_named']}; flagged among the "
+              f"(measured in one process); caught {pl['caught']}, op named {pl['op_named']}; flagged among the "
               f"other {pl['others']}: {len(pl['flagged_among_others'])}; head/base geomean {pl['geomean']:.3f}")
         for r in pl["must"]:
-            print(f"  {r['model']}: share {r['share']:.1%}, predicted {r['predicted']}x, "
-                  + (f"flagged: {r['detail']}" if r.get("flagged") else "NOT flagged"))
+            print(f"  {r['model']}: measured {r['true']}x [{r['true_lo']}-{r['true_hi']}], share {r['share']:.1%}, "
+                  f"predicted {r['predicted']}x, " + (f"flagged: {r['detail']}" if r.get("flagged") else "NOT flagged"))
         for r in pl["flagged_among_others"]:
-            print(f"  (other) {r['model']}: share {r['share']:.1%}, predicted {r['predicted']}x, flagged: {r['detail']}")
+            print(f"  (other) {r['model']}: measured {r['true']}x, share {r['share']:.1%}, predicted {r['predicted']}x, "
+                  f"flagged: {r['detail']}")
+        for r in pl["near"]:
+            print(f"  (other, measured just below the threshold) {r['model']}: measured {r['true']}x, "
+                  + (f"flagged: {r['detail']}" if r.get("flagged") else "not flagged"))
     ps = result["perf_phase_s"]
     if ps["models"]:
         print(f"--perf phase: {ps['mean']:.2f} s per model on average ({ps['models']} models, {ps['total']:.0f} s of "
