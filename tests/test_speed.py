@@ -109,6 +109,19 @@ def test_a_busier_machine_is_not_an_op_getting_slower() -> None:
     assert speed.explain(speed.Shift(1.5, 1.4, 1.6, True, False), []).endswith("no op profile to compare")
 
 
+def test_an_op_that_grew_is_named_when_the_reference_drifted_more_than_the_profile() -> None:
+    # vit under a planted aten::addmm:2 (perf_rates, 2026-12-04): the step 1.21x slower, its CPU reference
+    # 1.3x slower in that round, the profiled steps less so: scaled by the reference, nothing was added
+    base = {"ratio": {"median": 1.40, "lo": 1.38, "hi": 1.42}, "reference": {"median": 1.17e-3},
+            "profile": {"ops": [["aten::addmm", 370.0], ["aten::mul", 1000.0]], "total_us": 1370.0}}
+    head = {"ratio": {"median": 1.70, "lo": 1.68, "hi": 1.72}, "reference": {"median": 1.52e-3},
+            "profile": {"ops": [["aten::addmm", 730.0], ["aten::mul", 1000.0]], "total_us": 1730.0}}
+    assert speed.op_shifts(base["profile"], head["profile"], scale=1.52 / 1.17) == []
+    change, shift = compare_perf("m", "c", base, head)
+    assert shift.regressed and change.op == "aten::addmm"
+    assert "aten::addmm self time 2.0x (100% of the added time)" in change.detail, change.detail
+
+
 def test_top_ops_keep_order_and_drop_the_noise() -> None:
     kept = speed.top_ops({"aten::a": 10.0, "aten::b": 1000.0, "aten::c": 0.5, "aten::d": 300.0}, limit=2)
     assert kept == [["aten::b", 1000.0], ["aten::d", 300.0]]

@@ -104,6 +104,11 @@ def compare_perf(model_id: str, config: str, base: Mapping[str, Any], head: Mapp
     b_ref, h_ref = _median(base, "reference"), _median(head, "reference")
     scale = h_ref / b_ref if q == "ratio" and b_ref and h_ref else 1.0  # the head machine's speed vs the base's
     ops = speed.op_shifts(base.get("profile"), head.get("profile"), scale=scale)
+    if not ops and scale != 1.0:
+        # the reference's drift is the machine's, the profiled steps' can differ (a few rounds each): an op
+        # that grew shows unscaled; ops that all grew alike are said to be so (`speed.explain`)
+        scale = 1.0
+        ops = speed.op_shifts(base.get("profile"), head.get("profile"))
     change = PerfChange(model_id, config, q, float(base[q]["median"]), float(head[q]["median"]), shift.slowdown,
                         shift.lo, shift.hi,
                         detail=speed.explain(shift, ops, scale=scale, base=base.get("profile"), head=head.get("profile")))
