@@ -264,3 +264,21 @@ def test_planted_slowdown_is_caught_and_the_op_named(tmp_path: Path) -> None:
     flagged = {r["model_id"]: r for r in data["perf"]["regressions"]}
     assert sorted(flagged) == sorted(models.split(","))
     assert all("softmax" in r["op"] for r in flagged.values()), flagged
+
+
+def test_timed_steps_of_a_run_with_two_workers_take_the_host_alone_and_leave_no_lock(tmp_path: Path) -> None:
+    """--perf with two workers: each worker's phases go through the run's quiet lock (harness.run.quiet;
+    its ordering is tests/test_quiet.py), every timed model keeps its speed, and the lock files go with
+    the run."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", "smoke", "--only",
+                          "tiny/vit/image-cls,tiny/gpt2/causal-lm,tiny/bert/masked-lm", "--target", "sim",
+                          "--db", str(tmp_path / "q.db"), "--perf", "--perf-budget", "0.2", "--jobs", "2",
+                          "--quiet", "--json"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TMPDIR": str(tmp)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    with ResultStore(tmp_path / "q.db", read_only=True) as st:
+        rows = st.results(json.loads(res.stdout)["run_id"])
+    assert len(rows) == 3 and rows["perf_target_s"].notna().all(), rows[["model_id", "perf_target_s"]]
+    assert not list(tmp.glob(".perf-quiet-*")), list(tmp.iterdir())

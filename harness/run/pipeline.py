@@ -65,6 +65,7 @@ class Task:
     perf: bool = False  # time the step after the verdict (harness.run.perf)
     perf_budget_s: float = DEFAULT_BUDGET_S
     compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
+    quiet_lock: str = ""  # --perf beside other workers: the run's lock file (harness.run.quiet)
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:

@@ -10,8 +10,10 @@ finishes the remaining models and loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -22,7 +24,7 @@ from harness.backends import adapter_for, load_backends, resolve_target
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
-from harness.run import policy
+from harness.run import policy, quiet
 from harness.run.attribution import CAP_TOO_SMALL
 from harness.run.configs import cache_dir
 from harness.run.executor import death as _death
@@ -151,6 +153,9 @@ class _Run:
                               mem_cap_mb=config.mem_cap_mb, backends=config.backends, timeout_s=config.timeout_s,
                               load_timeout_s=config.load_timeout_s, startup_timeout_s=config.startup_timeout_s,
                               fork_workers=config.fork_workers, compile_timeout_s=config.compile_timeout_s, usable=lambda key: key in self.fleet.active)
+        # --perf with several workers on this host: a timed step runs while no other worker runs a phase
+        self.quiet_lock = (quiet.lock_path(tempfile.gettempdir(), run_id)
+                           if config.perf and self.jobs > 1 and config.executor == "local" else "")
         self.startup_failures = 0
         self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
         self.samples: dict[policy.Job, str] = {}  # --rerun-flaky sample job -> the model it samples
@@ -371,7 +376,8 @@ class _Run:
         task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
-                    perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache)
+                    perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
+                    quiet_lock=self.quiet_lock)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:
@@ -423,6 +429,10 @@ class _Run:
         finally:
             self.pool.close()
             self.progress.close()
+            if self.quiet_lock:
+                for path in (self.quiet_lock, f"{self.quiet_lock}.intent"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         self.queue = deque(j for j in self.queue if j not in self.samples and not j.probe)
         unfinished = len(self.queue) + self.pending
         if unfinished == 0:

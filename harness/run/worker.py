@@ -27,6 +27,7 @@ from harness.run.attribution import classify_exception
 from harness.run.memory import cap_address_space
 from harness.run.pipeline import Task, run_one
 from harness.run.pool import serve
+from harness.run.quiet import QuietLock
 
 
 def task_payload(task: Task) -> dict[str, Any]:
@@ -47,10 +48,14 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
     model_id = task.entry["id"]
     current = ["start"]
 
+    quiet = _quiet_lock(task.quiet_lock)
+
     def on_phase(name: str) -> None:
         current[0] = name
         if phase is not None:
             phase(name)
+        if quiet is not None:
+            quiet.enter(name)
 
     try:
         m = run_one(task, on_phase)
@@ -58,8 +63,22 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
         fields = classify_exception(e, stage=current[0])
         m = Measurement(model_id=model_id, device=device,
                         **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+    finally:
+        if quiet is not None:
+            quiet.release()
     m.host = host or socket.gethostname()
     return m
+
+
+_quiet: dict[str, QuietLock] = {}  # this worker's side of its run's lock, opened once
+
+
+def _quiet_lock(path: str) -> QuietLock | None:
+    if not path:
+        return None
+    if path not in _quiet:
+        _quiet[path] = QuietLock(path)
+    return _quiet[path]
 
 
 def preload() -> None:
