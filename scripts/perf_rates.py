@@ -222,12 +222,11 @@ def main() -> int:
         for r in pl["flagged_among_others"]:
             print(f"  (other) {r['model']}: measured {r['true']}x, share {r['share']:.1%}, predicted {r['predicted']}x, "
                   f"flagged: {r['detail']}")
-        for r in pl["borderline"]:
-            print(f"  (borderline: median >= {args.threshold}x, interval below) {r['model']}: measured {r['true']}x "
-                  f"[{r['true_lo']}-{r['true_hi']}], " + (f"flagged: {r['detail']}" if r.get("flagged") else "not flagged"))
-        for r in pl["near"]:
-            print(f"  (other, measured just below the threshold) {r['model']}: measured {r['true']}x, "
-                  + (f"flagged: {r['detail']}" if r.get("flagged") else "not flagged"))
+        for label, rows in ((f"borderline: median >= {args.threshold}x, interval below", pl["borderline"]),
+                            ("other, measured just below the threshold", pl["near"])):
+            for r in rows:
+                print(f"  ({label}) {r['model']}: measured {r['true']}x [{r['true_lo']}-{r['true_hi']}], "
+                      + (f"flagged: {r['detail']}" if r.get("flagged") else "not flagged"))
     ps = result["perf_phase_s"]
     if ps["models"]:
         print(f"--perf phase: {ps['mean']:.2f} s per model on average ({ps['models']} models, {ps['total']:.0f} s of "
