@@ -351,7 +351,8 @@ class RayPool:
         return [Event("ready", w, info)]
 
     def _peek(self, w: RayWorker) -> bool:
-        """Read `w`'s job's phase and time budget from its node (`rayactor.peek`); False if it cannot."""
+        """Read `w`'s job's phase and time budget from its node (`rayactor.peek`); False if it cannot, or if
+        the job has ended there (its result is on its way)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         try:
@@ -359,10 +360,10 @@ class RayPool:
                 w.slot.node_id, soft=False)).remote(w.pid), timeout=PEEK_TIMEOUT_S)
         except Exception:  # the node or the actor is going: its death or loss is the next event
             return False
-        if got is not None and w.busy:
-            now = time.monotonic()
-            w.phase, _, window_age, w.spent = got
-            w.phase_started = now - window_age
+        if got is None or not w.busy:
+            return False
+        w.phase, _, window_age, w.spent = got
+        w.phase_started = time.monotonic() - window_age
         return True
 
     def _catch_up(self, w: RayWorker) -> None:
