@@ -12,7 +12,7 @@ from harness.run.quiet import QuietLock
 
 def test_a_timed_phase_waits_for_the_phase_in_progress_and_holds_back_the_next(tmp_path) -> None:
     path = str(tmp_path / "run.lock")
-    a, b, c = QuietLock(path), QuietLock(path), QuietLock(path)
+    a, b, c = QuietLock(path, 30), QuietLock(path, 30), QuietLock(path, 30)
     log: list[tuple[str, float]] = []
     a.enter("load")
 
@@ -50,7 +50,7 @@ def test_a_timed_phase_waits_for_the_phase_in_progress_and_holds_back_the_next(t
 
 def test_phases_run_side_by_side_when_nobody_times(tmp_path) -> None:
     path = str(tmp_path / "run.lock")
-    a, b = QuietLock(path), QuietLock(path)
+    a, b = QuietLock(path, 30), QuietLock(path, 30)
     t0 = time.monotonic()
     for phase in ("load", "reference", "target", "compare"):
         a.enter(phase)
@@ -58,3 +58,24 @@ def test_phases_run_side_by_side_when_nobody_times(tmp_path) -> None:
     assert time.monotonic() - t0 < 1.0
     a.close()
     b.close()
+
+
+def test_a_timer_that_hangs_delays_its_neighbours_only_up_to_the_bound(tmp_path) -> None:
+    """A hung timed step must not make the other workers' models time out: they wait `wait_s` once, then
+    go on without the lock for the rest of their job; a timer that cannot get the host says so."""
+    path = str(tmp_path / "run.lock")
+    hung, other, timer = QuietLock(path, 0.3), QuietLock(path, 0.3), QuietLock(path, 0.3)
+    hung.enter("perf")  # and never leaves it
+    t0 = time.monotonic()
+    other.enter("load")
+    waited = time.monotonic() - t0
+    assert 0.25 <= waited < 2.0, waited
+    t0 = time.monotonic()
+    for phase in ("reference", "target", "compare"):
+        other.enter(phase)
+    assert time.monotonic() - t0 < 0.1  # no second wait in the same job
+    assert other.end_job() is True  # it timed nothing
+    timer.enter("perf")  # the host is held: it times beside the hung one
+    assert timer.end_job() is False and timer.end_job() is True  # said once, for that job
+    for lock in (hung, other, timer):
+        lock.close()

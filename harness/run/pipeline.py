@@ -66,6 +66,7 @@ class Task:
     perf_budget_s: float = DEFAULT_BUDGET_S
     compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
     quiet_lock: str = ""  # --perf beside other workers: the run's lock file (harness.run.quiet)
+    quiet_wait_s: float = 30.0  # the longest wait for it
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:

@@ -8,13 +8,16 @@ slowdown). So a run's workers take a lock file: each phase holds it shared, the 
 alone. A timer first takes an intent lock that stops new phases from starting (flock has no writer
 preference: workers whose phases follow one another would starve it), then waits for the phases in
 progress to end. Waiting happens before a phase's clock starts, and the kernel drops a dead worker's
-locks.
+locks. A wait is bounded (`wait_s`, well inside the run's --timeout): a timer that hangs must not make
+its neighbours' models time out, so a worker that waited that long goes on without the lock for the
+rest of its job (a timer that did so records ``perf.ran_alone = False``).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from typing import IO
 
 TIMED = "perf"  # the phase that runs alone
@@ -23,40 +26,70 @@ TIMED = "perf"  # the phase that runs alone
 class QuietLock:
     """One worker's side of the run's lock (`path`; `path`.intent beside it)."""
 
-    def __init__(self, path: str) -> None:
+    POLL_S = 0.005
+
+    def __init__(self, path: str, wait_s: float) -> None:
         self._main: IO[bytes] = open(path, "ab")  # noqa: SIM115 - held across phases, closed in `close`
         self._intent: IO[bytes] = open(f"{path}.intent", "ab")  # noqa: SIM115
-        self._mode = ""  # "", "shared" or "alone"
+        self._wait_s = wait_s
+        self._mode = ""  # "", "shared", "alone", or "off" (waited too long: no lock until the job ends)
+        self.timed_alone = True  # this job's timed phase ran alone (or there was none)
+
+    def _take(self, f: IO[bytes], how: int, until: float) -> bool:
+        while True:
+            try:
+                fcntl.flock(f, how | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(self.POLL_S)
 
     def enter(self, phase: str) -> None:
-        """The worker's job enters `phase` (blocks while another worker times, or until the others'
-        phases end when this one is the timed phase)."""
+        """The worker's job enters `phase` (waits while another worker times, or, for the timed phase,
+        until the others' phases end)."""
+        if self._mode == "off":
+            return
+        until = time.monotonic() + self._wait_s
         if phase == TIMED:
             if self._mode != "alone":
                 self.release()
-                fcntl.flock(self._intent, fcntl.LOCK_EX)
-                fcntl.flock(self._main, fcntl.LOCK_EX)
-                self._mode = "alone"
+                if self._take(self._intent, fcntl.LOCK_EX, until) and self._take(self._main, fcntl.LOCK_EX, until):
+                    self._mode = "alone"
+                else:
+                    self._off()
+                    self.timed_alone = False
             return
         if self._mode == "shared":
-            try:  # no timer waiting: keep the phase's lock
-                fcntl.flock(self._intent, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if self._take(self._intent, fcntl.LOCK_SH, 0.0):  # no timer waiting: keep the phase's lock
                 fcntl.flock(self._intent, fcntl.LOCK_UN)
                 return
-            except BlockingIOError:
-                pass
         self.release()  # a timer waits: let it have the host
-        fcntl.flock(self._intent, fcntl.LOCK_SH)
-        fcntl.flock(self._main, fcntl.LOCK_SH)
+        if self._take(self._intent, fcntl.LOCK_SH, until) and self._take(self._main, fcntl.LOCK_SH, until):
+            fcntl.flock(self._intent, fcntl.LOCK_UN)
+            self._mode = "shared"
+        else:
+            self._off()
+
+    def _unlock(self) -> None:
+        fcntl.flock(self._main, fcntl.LOCK_UN)  # unlocking what is not held is a no-op
         fcntl.flock(self._intent, fcntl.LOCK_UN)
-        self._mode = "shared"
+
+    def _off(self) -> None:
+        self._unlock()
+        self._mode = "off"
 
     def release(self) -> None:
-        """Between jobs: hold nothing."""
-        if self._mode:
-            fcntl.flock(self._main, fcntl.LOCK_UN)
-            fcntl.flock(self._intent, fcntl.LOCK_UN)
-            self._mode = ""
+        """Hold nothing (between jobs, or before taking the lock another way)."""
+        self._unlock()
+        self._mode = ""
+
+    def end_job(self) -> bool:
+        """The job is over: hold nothing; whether its timed phase ran alone."""
+        alone = self.timed_alone
+        self.release()
+        self.timed_alone = True
+        return alone
 
     def close(self) -> None:
         self.release()

@@ -377,7 +377,7 @@ class _Run:
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
                     perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
-                    quiet_lock=self.quiet_lock)
+                    quiet_lock=self.quiet_lock, quiet_wait_s=min(30.0, self.cfg.timeout_s / 4))
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

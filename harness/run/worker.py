@@ -48,7 +48,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
     model_id = task.entry["id"]
     current = ["start"]
 
-    quiet = _quiet_lock(task.quiet_lock)
+    quiet = _quiet_lock(task.quiet_lock, task.quiet_wait_s)
 
     def on_phase(name: str) -> None:
         current[0] = name
@@ -64,8 +64,9 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
         m = Measurement(model_id=model_id, device=device,
                         **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
     finally:
-        if quiet is not None:
-            quiet.release()
+        alone = quiet.end_job() if quiet is not None else True
+    if not alone and m.perf:
+        m.perf["ran_alone"] = False  # waited too long for the other workers: timed beside them
     m.host = host or socket.gethostname()
     return m
 
@@ -73,11 +74,11 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
 _quiet: dict[str, QuietLock] = {}  # this worker's side of its run's lock, opened once
 
 
-def _quiet_lock(path: str) -> QuietLock | None:
+def _quiet_lock(path: str, wait_s: float) -> QuietLock | None:
     if not path:
         return None
     if path not in _quiet:
-        _quiet[path] = QuietLock(path)
+        _quiet[path] = QuietLock(path, wait_s)
     return _quiet[path]
 
 
