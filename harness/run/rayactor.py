@@ -139,7 +139,8 @@ class DeviceActor:
 
     def run(self, payload: dict[str, Any]) -> tuple[Any, dict[str, bytes]]:
         """One model: its Measurement and its repro files."""
-        job = SimpleNamespace(started=time.monotonic(), phase="", phase_started=time.monotonic(), spent=0.0)
+        now = time.monotonic()
+        job = SimpleNamespace(started=now, phase="", phase_started=now, spent=0.0)  # as `pool.Worker` keeps it
 
         def phase(name: str) -> None:
             self._enter_phase(job, name, time.monotonic())
