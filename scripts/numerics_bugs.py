@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
-from harness.run.runner import RunConfig, run_models
 from harness.sim.numerics import BUGS, CACHE_BUG_STEP
 
 

@@ -90,8 +90,8 @@ def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path,
 
 
 def test_workers_that_never_start_end_the_run_with_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    from harness.fleet.runner import RunConfig, WorkerStartupError, run_models
     from harness.models.model_list import load_model_list
-    from harness.run.runner import RunConfig, WorkerStartupError, run_models
 
     # A backend module that hangs while a worker loads it (the supervisor imports it fine).
     (tmp_path / "stuck_backend.py").write_text(

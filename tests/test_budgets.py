@@ -1,4 +1,4 @@
-"""A job's time budgets (harness/run/pool.py), without processes: loading, the compiler and the rest each
+"""A job's time budgets (harness/fleet/pool.py), without processes: loading, the compiler and the rest each
 have their own; a supervisor that sees a job's phases only when it looks (the Ray executor reads them
 from the actor's node) must still end a job when a supervisor that heard every phase would."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.fleet.pool import deadline, enter_phase, next_check
 from harness.results.rows import COMPILE_PHASE as COMPILE
-from harness.run.pool import deadline, enter_phase, next_check
 
 TIMEOUT, LOAD, COMPILE_S = 10.0, 30.0, 20.0
 STEP = 0.01

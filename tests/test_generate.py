@@ -15,6 +15,7 @@ import torch
 from conftest import LIST_HEADER, list_rows
 
 from harness.cli import main as cli_main
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.inputs import make_inputs
 from harness.models.model_list import ModelEntry, load_model_list
 from harness.models.tiny import build_tiny
@@ -22,7 +23,6 @@ from harness.outcomes import headline
 from harness.results.rows import step_output
 from harness.results.store import ResultStore
 from harness.run.generate import TeacherForced, agreement, decode, prompt
-from harness.run.runner import RunConfig, run_models
 
 STEPS = {step_output(k) for k in range(8)}
 

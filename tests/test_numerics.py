@@ -11,11 +11,11 @@ import torch
 from conftest import LIST_HEADER, list_rows
 
 from harness.backends.contracts import CONTRACTS, Emulate, contract, round_tf32
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
 from harness.run.compare import Tolerance, check_tensor, compare_outputs
 from harness.run.opcheck import judge_output
-from harness.run.runner import RunConfig, run_models
 
 
 def test_contract_roundings() -> None:

@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
+from harness.fleet import policy
+from harness.fleet.policy import Fleet, Job
 from harness.results.rows import Measurement
-from harness.run import policy
-from harness.run.policy import Fleet, Job
 
 
 def m(outcome: str, **kw) -> Measurement:

@@ -1,4 +1,4 @@
-"""The run's quiet lock (harness/run/quiet.py): a timed phase runs while no other worker runs a phase, and
+"""The run's quiet lock (harness/fleet/quiet.py): a timed phase runs while no other worker runs a phase, and
 workers whose phases follow one another cannot starve it. Each QuietLock opens the file anew, so two in
 one process conflict as two processes' would (flock locks belong to the open file)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from harness.run.quiet import QuietLock
+from harness.fleet.quiet import QuietLock
 
 
 def test_a_timed_phase_waits_for_the_phase_in_progress_and_holds_back_the_next(tmp_path) -> None:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.model_list import load_model_list
 from harness.report.build import build_report
 from harness.report.views import safe_name
 from harness.results.rows import ResultRow
 from harness.results.store import ResultStore
-from harness.run.runner import RunConfig, run_models
 
 pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[1]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import LIST_HEADER, list_rows
 
+from harness.fleet.runner import RunConfig, run_models, shard
 from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
-from harness.run.runner import RunConfig, run_models, shard
 
 HEADER = LIST_HEADER
 EXACT = {"precision": "highest", "ops": "full"}

@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import LIST_HEADER, list_rows
 
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.labels import make_labels
 from harness.models.model_list import ModelEntry, load_model_list
 from harness.models.tiny import build_tiny
 from harness.report import build_report
 from harness.results.store import ResultStore
 from harness.run.compare import Tolerance, compare_outputs
-from harness.run.runner import RunConfig, run_models
 from harness.run.train import OPTIMIZERS, family_floors, prepare, replay_updates, train_step
 
 EXACT = ["--precision", "highest", "--ops", "full"]

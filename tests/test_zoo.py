@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from harness.fleet import zoo
 from harness.models import heads, shrink, tiny
 from harness.models.configs import find_attr
 from harness.models.model_list import load_model_list
-from harness.run import zoo
 
 SAMPLE = ["bert", "gpt2", "llama", "t5", "whisper", "vit", "swin", "resnet", "qwen2_vl", "deepseek_v3",
           "gemma3", "mixtral", "wav2vec2", "clip", "mamba2"]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.fleet.runner import RunConfig, run_models
 from harness.models.model_list import load_model_list
 from harness.results.store import ResultStore
-from harness.run.runner import RunConfig, run_models
 
 EXPECTED = Path(__file__).resolve().parents[1] / "model_lists" / "expected"
 

@@ -446,7 +446,7 @@ class Job:
 
 def proc_main(label: str, slot: int, cfg_dict: dict, scenario: str, workdir: str) -> None:
     """One rank or spare process: set up, report ready, then follow the supervisor's generations."""
-    from harness.run.pool import die_with_parent
+    from harness.fleet.pool import die_with_parent
 
     die_with_parent()  # a killed supervisor / CLI leaves nothing behind
     out = os.open(os.path.join(workdir, f"log-{label}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)

@@ -244,7 +244,7 @@ def _job_config(cfg: FaultConfig, job: Job) -> FaultConfig:
 
 def _supervisor_main(cfg_dict: dict, jobs: list[Job], workdir: str) -> None:
     """Run ``jobs`` in turn; each one's record lands in ``workdir/<i>/supervisor.json``."""
-    from harness.run.pool import die_with_parent
+    from harness.fleet.pool import die_with_parent
 
     die_with_parent()  # a killed supervisor / CLI leaves nothing behind
     import multiprocessing as mp

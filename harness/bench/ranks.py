@@ -143,7 +143,7 @@ def _merge_notes(notes: list[dict]) -> dict:
 
 def rank_main(rank: int, cfg_dict: dict, workdir: str) -> None:
     """One rank: init the backend, time every op/size/setting and the DDP step, hand times to rank 0."""
-    from harness.run.pool import die_with_parent
+    from harness.fleet.pool import die_with_parent
 
     die_with_parent()  # a killed benchmark leaves no rank behind
     cfg = BenchConfig(**cfg_dict)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"portharness: {name}; finished rows are saved (use --resume)", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     except Exception as e:
-        pool = sys.modules.get("harness.run.pool")
+        pool = sys.modules.get("harness.fleet.pool")
         if pool is not None and isinstance(e, pool.ExecutorError):  # workers cannot start, a cluster went away
             print(f"portharness {args.command}: error: {e}", file=sys.stderr)
             return 1

@@ -16,7 +16,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
     from harness.backends import resolve_target
     from harness.cli.guard import load_backends_guarded
-    from harness.run.runner import RunConfig
+    from harness.fleet.runner import RunConfig
 
     if args.oracle_max_params is not None and args.oracle_max_params < 0:
         raise ValueError(f"--oracle-max-params {args.oracle_max_params}: must be >= 0 (0: no fp64 oracle for any model)")
@@ -103,10 +103,10 @@ def _saved_rows(db: str, **run: Any) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from harness.console import clean_row, terminal_text, verdict_lines
+    from harness.fleet.runner import run_models
     from harness.models.model_list import find_entry
     from harness.outcomes import PASSING
     from harness.results.store import ResultStore, check_writable
-    from harness.run.runner import run_models
 
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
@@ -139,10 +139,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_table
+    from harness.fleet.runner import plan, run_models, shard
     from harness.models.model_list import load_model_list
     from harness.results.dbfile import StoreWriteError
     from harness.results.store import check_writable
-    from harness.run.runner import plan, run_models, shard
 
     entries = load_model_list(args.list)
     if args.only:
@@ -158,7 +158,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.ray_address is not None and args.executor != "ray":
         raise ValueError(f"--ray-address {args.ray_address}: needs --executor ray")
     if args.executor == "ray":
-        from harness.run.raypool import ray_module
+        from harness.fleet.raypool import ray_module
 
         ray_module()  # Ray missing: say so before anything else
     jobs = args.jobs if args.jobs is not None else 0 if args.executor == "ray" else max(1, os.cpu_count() or 1)
@@ -242,7 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_zoo(args: argparse.Namespace) -> int:
     from harness.files import check_writable
-    from harness.run.zoo import generate
+    from harness.fleet.zoo import generate
 
     for path in (args.out, args.report):  # before an hour of candidates, not after
         if path:

@@ -1,7 +1,4 @@
-"""Stage 2, run: one model on reference and target, many models under supervision.
-
-`pipeline` runs one model (load -> reference -> oracle -> target -> compare -> localize), `compare`
-and `localize` judge numerics, `worker` hosts the pipeline in a child process, `pool` supervises such
-processes, `policy` decides retries and quarantines (pure functions), `runner` is the glue that runs a
-list into the store, `zoo` generates the tiny-zoo list with the same pool.
+"""Stage 2, run: one model, judged. `pipeline` runs it (load -> reference side -> target -> compare ->
+explain a drift), `compare` and `localize` judge numerics, `attribution` says whose fault an error is.
+Running many models under supervision is `harness.fleet`'s job.
 """

@@ -65,7 +65,7 @@ class Task:
     perf: bool = False  # time the step after the verdict (harness.run.perf)
     perf_budget_s: float = DEFAULT_BUDGET_S
     compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
-    quiet_lock: str = ""  # --perf beside other workers: the run's lock file (harness.run.quiet)
+    quiet_lock: str = ""  # --perf beside other workers: the run's lock file (harness.fleet.quiet)
     quiet_wait_s: float = 30.0  # the longest wait for it
 
 

@@ -5,6 +5,6 @@ Without it a `kill -9` of the supervisor leaves the forkserver alive (the resour
 the same (`pool.die_with_parent`), so the whole tree goes.
 """
 
-from harness.run.pool import die_with_parent
+from harness.fleet.pool import die_with_parent
 
 die_with_parent()

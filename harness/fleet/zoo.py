@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from harness import files
+from harness.fleet.pool import Pool, context, serve
 from harness.models.configs import find_attr
 from harness.models.heads import candidates
 from harness.models.inputs import default_recipe, make_inputs
@@ -29,7 +30,6 @@ from harness.models.model_list import ModelEntry, write_model_list
 from harness.models.outputs import output_tensors
 from harness.models.tiny import build_tiny, count_params, tiny_config
 from harness.run.compare import identical
-from harness.run.pool import Pool, context, serve
 
 MAX_PARAMS = 5_000_000
 

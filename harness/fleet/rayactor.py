@@ -112,9 +112,9 @@ class DeviceActor:
         else:
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = autoload
         from harness.backends import adapter_for
-        from harness.run import worker
+        from harness.fleet import worker
+        from harness.fleet.pool import enter_phase
         from harness.run.memory import cap_address_space
-        from harness.run.pool import enter_phase
 
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         _sweep()

@@ -21,18 +21,18 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from harness.backends import adapter_for, load_backends, resolve_target
+from harness.fleet import policy, quiet
+from harness.fleet.executor import death as _death
+from harness.fleet.executor import make_pool
+from harness.fleet.pool import Event, ExecutorError, Worker
+from harness.fleet.runconfig import RunConfig
+from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
-from harness.run import policy, quiet
 from harness.run.attribution import CAP_TOO_SMALL
 from harness.run.configs import cache_dir
-from harness.run.executor import death as _death
-from harness.run.executor import make_pool
 from harness.run.pipeline import Task
-from harness.run.pool import Event, ExecutorError, Worker
-from harness.run.runconfig import RunConfig
-from harness.run.worker import task_payload
 
 
 @dataclass
@@ -95,7 +95,7 @@ def run_models(
             store.close()
     finally:
         if config.executor == "ray":
-            from harness.run import raypool
+            from harness.fleet import raypool
 
             raypool.disconnect()
 
@@ -106,7 +106,7 @@ def plan(config: RunConfig) -> policy.Fleet:
     config.validate()
     load_backends(config.backends)
     if config.executor == "ray":
-        from harness.run import raypool
+        from harness.fleet import raypool
 
         found = raypool.devices(config.target, config.ray_address)
     else:

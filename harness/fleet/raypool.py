@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from harness import files
 from harness.backends import adapter_for, device_type
-from harness.run.pool import Event, ExecutorError, deadline, next_check
+from harness.fleet.pool import Event, ExecutorError, deadline, next_check
 
 RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
 CONNECT_TIMEOUT_S = 10.0
@@ -253,7 +253,7 @@ class RayPool:
                  compile_timeout_s: float | None = None, usable: Callable[[str], bool] = lambda key: True) -> None:
         import ray
 
-        from harness.run.rayactor import DeviceActor, autopsy, peek
+        from harness.fleet.rayactor import DeviceActor, autopsy, peek
 
         self.ray = ray
         self.actor_cls = ray.remote(DeviceActor)

@@ -28,7 +28,7 @@ from typing import Any
 from harness.results.rows import COMPILE_PHASE as COMPILE
 from harness.run.memory import rss_mb
 
-PRELOAD = ["torch", "transformers", "harness.run.forkserver_guard"]
+PRELOAD = ["torch", "transformers", "harness.fleet.forkserver_guard"]
 
 
 def context(preload: Iterable[str] = PRELOAD) -> Any:

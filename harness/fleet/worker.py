@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from harness.backends import adapter_for, load_backends
+from harness.fleet.pool import serve
+from harness.fleet.quiet import QuietLock
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception
 from harness.run.memory import cap_address_space
 from harness.run.pipeline import Task, run_one
-from harness.run.pool import serve
-from harness.run.quiet import QuietLock
 
 
 def task_payload(task: Task) -> dict[str, Any]:

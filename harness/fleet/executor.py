@@ -11,9 +11,9 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from harness.fleet.pool import PRELOAD, Pool, context
+from harness.fleet.worker import WORKER_IMPORTS, worker_main
 from harness.results.rows import COMPILE_PHASE, Measurement
-from harness.run.pool import PRELOAD, Pool, context
-from harness.run.worker import WORKER_IMPORTS, worker_main
 
 
 def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_mb: int | None,
@@ -23,7 +23,7 @@ def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_m
     """The pool of `executor` (local, ray). `usable(key)`: whether a device is in service (the Ray pool
     keeps an out-of-service chip Ray hands it pinned, rather than running models on it)."""
     if executor == "ray":
-        from harness.run.raypool import RayPool
+        from harness.fleet.raypool import RayPool
 
         return RayPool(mem_cap_mb=mem_cap_mb, env=worker_env, backends=backends, timeout_s=timeout_s,
                        load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s,
@@ -34,7 +34,7 @@ def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_m
     # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
     fork_here = fork_workers and not worker_env
     return Pool(
-        mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.run.worker", *WORKER_IMPORTS]),
+        mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.fleet.worker", *WORKER_IMPORTS]),
         worker_main,
         # the forkserver's environment is from whenever it started; workers get today's
         lambda device: (device, threads, mem_cap_mb, {**os.environ, **worker_env}, backends),
