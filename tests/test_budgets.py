@@ -1,34 +1,33 @@
-"""A job's time budgets (harness/fleet/pool.py), without processes: loading, the compiler and the rest each
+"""A job's time budgets (harness/fleet/budgets.py), without processes: loading, the compiler and the rest each
 have their own; a supervisor that sees a job's phases only when it looks (the Ray executor reads them
 from the actor's node) must still end a job when a supervisor that heard every phase would."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from harness.fleet.pool import deadline, enter_phase, next_check
+from harness.fleet.budgets import Budgets, JobClock
 from harness.results.rows import COMPILE_PHASE as COMPILE
 
 TIMEOUT, LOAD, COMPILE_S = 10.0, 30.0, 20.0
+BUDGETS = Budgets(TIMEOUT, LOAD, COMPILE_S)
 STEP = 0.01
 
 
-def state_at(t: float, phases: list[tuple[float, str]]) -> SimpleNamespace:
+def state_at(t: float, phases: list[tuple[float, str]]) -> JobClock:
     """The job's budget state at time t, as the worker itself keeps it (every phase heard)."""
-    w = SimpleNamespace(started=0.0, phase="", phase_started=0.0, spent=0.0)
+    clock = JobClock.start(0.0)
     for at, name in phases:
         if at <= t:
-            enter_phase(w, name, at)
-    return w
+            clock.enter(name, at)
+    return clock
 
 
 def killed_by_listener(phases: list[tuple[float, str]], end: float) -> float | None:
     """When a supervisor that hears every phase (the local pool) ends the job; None if it finishes at `end`."""
     t = 0.0
     while t < end:
-        if t >= deadline(state_at(t, phases), TIMEOUT, LOAD, COMPILE_S):
+        if t >= BUDGETS.deadline(state_at(t, phases)):
             return t
         t = round(t + STEP, 6)
     return None
@@ -36,13 +35,13 @@ def killed_by_listener(phases: list[tuple[float, str]], end: float) -> float | N
 
 def killed_by_looker(phases: list[tuple[float, str]], end: float) -> tuple[float | None, int]:
     """When a supervisor that looks only at `next_check` times ends the job, and how often it looked."""
-    check, looks = min(TIMEOUT, LOAD, COMPILE_S), 0
+    check, looks = BUDGETS.shortest, 0
     while check < end:
         looks += 1
         w = state_at(check, phases)
-        if check >= deadline(w, TIMEOUT, LOAD, COMPILE_S):
+        if check >= BUDGETS.deadline(w):
             return check, looks
-        check = next_check(w, check, TIMEOUT, LOAD, COMPILE_S)
+        check = BUDGETS.next_check(w, check)
     return None, looks
 
 
@@ -75,3 +74,22 @@ def test_a_supervisor_that_only_looks_now_and_then_ends_a_job_on_time(name: str)
 
 def test_a_job_shorter_than_every_budget_is_never_looked_at() -> None:
     assert killed_by_looker([(0, "load"), (0.05, "reference"), (0.08, "target")], end=0.1) == (None, 0)
+
+
+def test_a_clock_survives_its_line_on_a_node() -> None:
+    """A Ray actor keeps its job's clock as a line in a file on its node; the driver reads it back."""
+    clock = JobClock.start(5.0)
+    for at, name in [(5.0, "load"), (7.5, "target"), (9.0, COMPILE), (12.25, "target")]:
+        clock.enter(name, at)
+    assert JobClock.parse(clock.line()) == clock
+    assert JobClock.parse(" " * 128) is None  # no job in flight
+
+
+@pytest.mark.parametrize(("phases", "error_type", "words"), [
+    ([(0, "load")], "Timeout", "still loading after 30s (--load-timeout) on sim:0"),
+    ([(0, "load"), (1, COMPILE)], "CompileTimeout", "still compiling after 20s (--compile-timeout) on sim:0"),
+    ([(0, "load"), (1, "target")], "Timeout", "no result 10s after loading (--timeout, compiling excluded, in phase "
+                                             "target) on sim:0"),
+])
+def test_a_timeout_names_the_budget_of_the_phase_it_ran_out_in(phases, error_type, words) -> None:
+    assert BUDGETS.why(state_at(100, phases), "sim:0") == (error_type, words)

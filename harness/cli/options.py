@@ -19,7 +19,9 @@ from harness.cli.results import (
     cmd_trend,
 )
 from harness.cli.runs import cmd_check, cmd_run, cmd_zoo
+from harness.fleet.executor import EXECUTORS
 from harness.models.heads import HEADS
+from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS
 
 DEFAULT_DB = "results/portharness.db"
 
@@ -54,14 +56,14 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
                    help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
                         "grad-scale, cache-off-by-one; comma-separated) to see the verdict catch them")
-    p.add_argument("--mode", default="inference", choices=["inference", "train", "generate"],
+    p.add_argument("--mode", default=MODE_NAMES[0], choices=MODE_NAMES,
                    help="inference: one forward, outputs compared; train: one training step (loss, every gradient, "
                         "the SGD-momentum and AdamW updates) compared; generate: greedy decoding with a KV cache, "
                         "each step's logits compared along the reference's tokens (models that cannot generate: "
                         "skipped)")
     p.add_argument("--new-tokens", type=int, default=None, metavar="N",
-                   help="--mode generate: tokens to decode (default 8)")
-    p.add_argument("--cache", default=None, choices=["dynamic", "static"],
+                   help=f"--mode generate: tokens to decode (default {NEW_TOKENS})")
+    p.add_argument("--cache", default=None, choices=KV_CACHES,
                    help="--mode generate: transformers' DynamicCache (default) or StaticCache (preallocated, written "
                         "in place: the path compiled decoders use)")
     p.add_argument("--op-check", default="auto", choices=["auto", "all", "sampled", "off"],
@@ -94,7 +96,7 @@ def _ref_cache_options(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def _config_options(p: argparse.ArgumentParser) -> None:
-    """Compiled and mixed-precision configurations of the target (harness.run.configs)."""
+    """Compiled and mixed-precision configurations of the target (harness.run.compiled)."""
     p.add_argument("--compile", default=None, metavar="BACKEND[:MODE]",
                    help="run the target compiled: torch.compile with this torch._dynamo backend (inductor, aot_eager, "
                         "eager, or a vendor's) and Inductor mode (e.g. inductor:max-autotune); the reference is unchanged")
@@ -152,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes (default: one per CPU core); with --executor ray: actors (default: one "
                         "per device of the cluster)")
-    p.add_argument("--executor", default="local", choices=["local", "ray"],
+    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
                    help="local: worker processes on this host (default); ray: one actor per device of every node of "
                         "a Ray cluster (pip install 'portharness[ray]')")
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",

@@ -16,12 +16,13 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
     from harness.backends import resolve_target
     from harness.cli.guard import load_backends_guarded
+    from harness.fleet.executor import executor_for
     from harness.fleet.runner import RunConfig
 
     if args.oracle_max_params is not None and args.oracle_max_params < 0:
         raise ValueError(f"--oracle-max-params {args.oracle_max_params}: must be >= 0 (0: no fp64 oracle for any model)")
     modules = load_backends_guarded(args.backend, args.backend_timeout)
-    if getattr(args, "executor", "local") == "ray":  # the driver needs no device: the cluster's nodes have them
+    if not executor_for(getattr(args, "executor", "local")).one_host:  # the driver needs no device: the nodes have them
         from harness.backends import adapter_for
 
         adapter = adapter_for(args.target)
@@ -42,7 +43,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     options.update(_generate_options(args))
     if args.op_check != "auto":
         options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
-    from harness.run.configs import check
+    from harness.run.compiled import check
 
     check(options)  # --compile, --dynamic, --amp: before the backend's own checks read them
     settings = adapter.check_settings(options)
@@ -139,7 +140,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_table
-    from harness.fleet.runner import plan, run_models, shard
+    from harness.fleet.executor import executor_for
+    from harness.fleet.runner import fleet_for, run_models, shard
     from harness.models.model_list import load_model_list
     from harness.results.dbfile import StoreWriteError
     from harness.results.store import check_writable
@@ -155,17 +157,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         entries = entries[: args.limit]
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
-    if args.ray_address is not None and args.executor != "ray":
+    executor = executor_for(args.executor)
+    if args.ray_address is not None and not executor.address_option:
         raise ValueError(f"--ray-address {args.ray_address}: needs --executor ray")
-    if args.executor == "ray":
-        from harness.fleet.raypool import ray_module
-
-        ray_module()  # Ray missing: say so before anything else
-    jobs = args.jobs if args.jobs is not None else 0 if args.executor == "ray" else max(1, os.cpu_count() or 1)
+    executor.check()  # its library missing (Ray): say so before anything else
+    jobs = (args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default
+            else max(1, os.cpu_count() or 1))
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
                          rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
-    fleet = plan(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
+    fleet = fleet_for(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
     # or a new file we can create) and --report can be written: checked before the banner and any write
     check_writable(args.db)
@@ -186,8 +187,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         ResultStore(args.db).close()
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-          + (f"{jobs or len(fleet.active)} Ray actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
-             if args.executor == "ray" else f"{jobs} worker(s)") + f" -> {args.db}"
+          + (f"{jobs} worker(s)" if executor.one_host else
+             f"{jobs or len(fleet.active)} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)")
+          + f" -> {args.db}"
           + (f" (reference cache {config.ref_cache})" if config.ref_cache else ""), file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,

@@ -1,6 +1,9 @@
-"""Where the runner's workers come from: processes on this host (`pool.Pool`) or one Ray actor per
-device of a cluster (`raypool.RayPool`), both seen through the same events; and what a worker's
-death means as a measurement, whichever kind it was.
+"""Where the runner's workers come from, as one contract: processes on this host (`pool.Pool`) or one Ray
+actor per device of a cluster (`raypool.RayPool`), seen through the same events; and what a worker's death
+means as a measurement, whichever kind it was.
+
+`executor_for(name)` is the only place that tells executors apart: the runner, the run's checks and the
+CLI ask the `Executor` it returns (which devices, which pool, what its `--jobs 0` means).
 """
 
 from __future__ import annotations
@@ -9,53 +12,175 @@ import multiprocessing as mp
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from harness.fleet.pool import PRELOAD, Pool, context
-from harness.fleet.worker import WORKER_IMPORTS, worker_main
-from harness.results.rows import COMPILE_PHASE, Measurement
+from harness.fleet.budgets import Budgets, JobClock
+from harness.fleet.pool import PRELOAD, Event, Pool, context
+from harness.results.rows import Measurement
 
 
-def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_mb: int | None,
-              backends: list[str], timeout_s: float, load_timeout_s: float, startup_timeout_s: float,
-              fork_workers: bool = False, usable: Callable[[str], bool] = lambda key: True,
-              compile_timeout_s: float | None = None) -> Any:
-    """The pool of `executor` (local, ray). `usable(key)`: whether a device is in service (the Ray pool
-    keeps an out-of-service chip Ray hands it pinned, rather than running models on it)."""
-    if executor == "ray":
+class PoolWorker(Protocol):
+    """One worker of a pool: a process or an actor pinned to one device (`key`), one job at a time."""
+
+    noun: str  # what to call it in messages: "worker", "actor"
+    key: str  # the fleet's name for its device ("sim:1"; on a cluster "<node>/<device>")
+    device: str  # the device as its own process names it
+    host: str
+    ready: bool
+    job: Any  # the runner's job in flight (None: idle)
+    clock: JobClock  # that job's phase and budget state
+    killed_for: str | None  # why the pool or the runner killed it ("timeout", "quarantine", ...)
+    cause: str  # what is known of its death beyond the exit status
+
+    @property
+    def busy(self) -> bool: ...
+
+    def send(self, job: Any, payload: Any) -> None: ...
+
+    def kill(self, reason: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def death(self) -> tuple[int | None, int | None]: ...
+
+
+class WorkerPool(Protocol):
+    """Workers for devices; `poll` turns their lives into `pool.Event`s (ready, result, died, timeout,
+    memory, startup; on a cluster also lost: its node left, and interrupted: it could not be reached)."""
+
+    per_device: int | None  # workers one device may hold (None: any number)
+    workers: list[Any]  # its `PoolWorker`s
+    started: int  # workers started, replacements included
+
+    def spawn(self, key: str) -> Any: ...
+
+    def retire(self, w: Any) -> None: ...
+
+    def poll(self, max_wait: float = 1.0) -> list[Event]: ...
+
+    def node_devices(self, w: Any) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What every pool is made from (the run's settings that reach its workers)."""
+
+    jobs: int
+    worker_env: dict[str, str]
+    mem_cap_mb: int | None
+    backends: list[str]
+    budgets: Budgets
+    startup_timeout_s: float
+    fork_workers: bool = False  # one `check`: fork from this process instead of a forkserver
+
+
+class Executor(Protocol):
+    name: str
+    one_host: bool  # its workers share this host (a timed step can have it to itself: `quiet`)
+    address_option: bool  # it joins a cluster at an address (--ray-address)
+    all_devices_by_default: bool  # --jobs 0 (the default) means one worker per device
+
+    def check(self) -> None:
+        """ValueError when it cannot run here (its library missing)."""
+
+    def devices(self, target: str, address: str | None) -> list[str]:
+        """The devices it offers for `target`, as fleet keys; ValueError if none."""
+
+    def pool(self, spec: PoolSpec, usable: Callable[[str], bool]) -> WorkerPool:
+        """A pool for `spec` (`usable(key)`: whether a device is in service)."""
+
+    def release(self) -> None:
+        """What `devices` took (a cluster connection), given back at the end of the run."""
+
+
+class LocalExecutor:
+    """Worker processes on this host, from a forkserver that has imported torch and transformers."""
+
+    name = "local"
+    one_host = True
+    address_option = False
+    all_devices_by_default = False
+
+    def check(self) -> None:
+        pass
+
+    def devices(self, target: str, address: str | None) -> list[str]:
+        from harness.backends import resolve_target
+
+        return resolve_target(target)[1]
+
+    def pool(self, spec: PoolSpec, usable: Callable[[str], bool]) -> WorkerPool:
+        from harness.fleet.worker import WORKER_IMPORTS, worker_main  # torch: only once a pool is made
+
+        threads = max(1, (os.cpu_count() or 1) // max(1, spec.jobs))
+        # One `check` forks its worker from this process, which has imported torch and transformers
+        # already (a forkserver would import them a second time); a run starts a forkserver, so that no
+        # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
+        fork_here = spec.fork_workers and not spec.worker_env
+        return Pool(
+            mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.fleet.worker", *WORKER_IMPORTS]),
+            worker_main,
+            # the forkserver's environment is from whenever it started; workers get today's
+            lambda device: (device, threads, spec.mem_cap_mb, {**os.environ, **spec.worker_env}, spec.backends),
+            budgets=spec.budgets,
+            startup_timeout_s=spec.startup_timeout_s,
+        )
+
+    def release(self) -> None:
+        pass
+
+
+class RayExecutor:
+    """One long-lived actor per device of a Ray cluster (`raypool`)."""
+
+    name = "ray"
+    one_host = False
+    address_option = True
+    all_devices_by_default = True
+
+    def check(self) -> None:
+        from harness.fleet.raypool import ray_module
+
+        ray_module()
+
+    def devices(self, target: str, address: str | None) -> list[str]:
+        from harness.fleet import raypool
+
+        return raypool.devices(target, address)
+
+    def pool(self, spec: PoolSpec, usable: Callable[[str], bool]) -> WorkerPool:
         from harness.fleet.raypool import RayPool
 
-        return RayPool(mem_cap_mb=mem_cap_mb, env=worker_env, backends=backends, timeout_s=timeout_s,
-                       load_timeout_s=load_timeout_s, startup_timeout_s=startup_timeout_s,
-                       compile_timeout_s=compile_timeout_s, usable=usable)
-    threads = max(1, (os.cpu_count() or 1) // max(1, jobs))
-    # One `check` forks its worker from this process, which has imported torch and transformers
-    # already (a forkserver would import them a second time); a run starts a forkserver, so that no
-    # worker inherits a supervisor's state, nor a backend initialised before its environment was set.
-    fork_here = fork_workers and not worker_env
-    return Pool(
-        mp.get_context("fork") if fork_here else context([*PRELOAD, "harness.fleet.worker", *WORKER_IMPORTS]),
-        worker_main,
-        # the forkserver's environment is from whenever it started; workers get today's
-        lambda device: (device, threads, mem_cap_mb, {**os.environ, **worker_env}, backends),
-        timeout_s=timeout_s,
-        startup_timeout_s=startup_timeout_s,
-        load_timeout_s=load_timeout_s,
-        compile_timeout_s=compile_timeout_s,
-    )
+        return RayPool(mem_cap_mb=spec.mem_cap_mb, env=spec.worker_env, backends=spec.backends,
+                       budgets=spec.budgets, startup_timeout_s=spec.startup_timeout_s, usable=usable)
+
+    def release(self) -> None:
+        from harness.fleet import raypool
+
+        raypool.disconnect()
 
 
-def death(w: Any, timeout_s: float, load_timeout_s: float, compile_timeout_s: float | None = None) -> Measurement:
+EXECUTORS: dict[str, type[LocalExecutor] | type[RayExecutor]] = {"local": LocalExecutor, "ray": RayExecutor}
+
+
+def executor_for(name: str) -> Executor:
+    """The executor called `name` (ValueError naming the choices)."""
+    if name not in EXECUTORS:
+        raise ValueError(f"--executor {name!r}: expected one of {', '.join(EXECUTORS)}")
+    return EXECUTORS[name]()
+
+
+def death(w: PoolWorker, budgets: Budgets) -> Measurement:
     """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
     code, sig = w.death()
     where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host}
     if w.killed_for == "timeout":
-        loading, compiling = w.phase in ("", "load"), w.phase == COMPILE_PHASE
-        why = (f"still loading after {load_timeout_s:.0f}s (--load-timeout)" if loading
-               else f"still compiling after {compile_timeout_s or 0:.0f}s (--compile-timeout)" if compiling
-               else f"no result {timeout_s:.0f}s after loading (--timeout, compiling excluded, in phase {w.phase})")
-        return Measurement(**where, outcome="timeout", error_type="CompileTimeout" if compiling else "Timeout",
-                           signal=sig, error_message=f"{why} on {w.key}; {w.noun} killed")
+        error_type, why = budgets.why(w.clock, w.key)
+        return Measurement(**where, outcome="timeout", error_type=error_type, signal=sig,
+                           error_message=f"{why}; {w.noun} killed")
     if sig == signal.SIGKILL:
         return Measurement(**where, outcome="oom", error_type="WorkerKilled", signal=sig,
                            error_message=f"{w.noun} on {w.key} was SIGKILLed ({w.cause or 'likely the OOM killer'})")

@@ -274,7 +274,7 @@ def quarantine(fleet: Fleet, device: str, canary_died: bool = False, why: str = 
     return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why)
 
 
-def _judge(fleet: Fleet, device: str, out: Settled) -> None:
+def _maybe_quarantine(fleet: Fleet, device: str, out: Settled) -> None:
     """Quarantine `device` if its strikes reached the limit (after a probe, when its streak counts and
     it has a canary to re-run)."""
     if device not in fleet.active or device in fleet.probing or fleet.count(device) < fleet.quarantine_after:
@@ -292,7 +292,7 @@ def strike(fleet: Fleet, device: str) -> Quarantined | None:
         return None
     fleet.strikes[device] += 1
     out = Settled()
-    _judge(fleet, device, out)
+    _maybe_quarantine(fleet, device, out)
     return out.quarantined[0] if out.quarantined else None
 
 
@@ -341,7 +341,7 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
     if kind == "fault":
         fleet.faults_seen += 1
         fleet.strikes[device] += 1
-        _judge(fleet, device, out)
+        _maybe_quarantine(fleet, device, out)
         job.faulted.add(device)
         job.avoid.add(device)
         return _elsewhere(fleet, job, out)
@@ -356,7 +356,7 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
         streak = fleet.deaths.setdefault(device, [])
         if job not in streak:
             streak.append(job)
-        _judge(fleet, device, out)
+        _maybe_quarantine(fleet, device, out)
     failed = [a for a in own(job, fleet.quarantined)[:-1] if a.outcome not in REFERENCE_SIDE]
     if failed and m.outcome in RAN:
         # It ran cleanly after failing: where that was another device, the failure was the device's.
@@ -365,7 +365,7 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
                 fleet.deaths[d].remove(job)
             if d in fleet.active:
                 fleet.strikes[d] += 1
-                _judge(fleet, d, out)
+                _maybe_quarantine(fleet, d, out)
         job.last = m
         if m.outcome != "pass" or all(a.device in fleet.quarantined for a in failed):
             out.outcome = m.outcome
@@ -414,7 +414,7 @@ def _probe_done(fleet: Fleet, device: str, kind: str, out: Settled) -> None:
         out.quarantined.append(quarantine(fleet, device, canary_died=True))
         return
     fleet.deaths.pop(device, None)  # it still does: the streak was the models'
-    _judge(fleet, device, out)
+    _maybe_quarantine(fleet, device, out)
 
 
 def reopen(fleet: Fleet, job: Job) -> Settled:

@@ -13,7 +13,6 @@ environment.
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from harness.results.rows import COMPILE_PHASE as COMPILE
+from harness.fleet.budgets import Budgets, JobClock
 from harness.run.memory import rss_mb
 
 PRELOAD = ["torch", "transformers", "harness.fleet.forkserver_guard"]
@@ -47,38 +46,6 @@ def context(preload: Iterable[str] = PRELOAD) -> Any:
         else:
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = prev
     return ctx
-
-
-def enter_phase(w: Any, name: str, now: float) -> None:
-    """Worker `w`'s job entered phase `name` at `now`: where its time budget window starts (`deadline`).
-    Any executor's worker: it has started, phase, phase_started and spent."""
-    if w.phase == "load" or not w.phase:
-        w.phase_started = now  # the compute budget starts when loading ends
-    elif name == COMPILE or w.phase == COMPILE:  # the compiler has its own budget, each time it runs
-        if w.phase != COMPILE:
-            w.spent += now - w.phase_started
-        w.phase_started = now
-    w.phase = name
-
-
-def deadline(w: Any, timeout_s: float, load_timeout_s: float | None, compile_timeout_s: float | None) -> float:
-    """When `w`'s job runs out of time: loading has its own budget, and so has the compiler each time it
-    runs; the rest of the job has `timeout_s` from the end of loading, the compiler's time left out."""
-    if load_timeout_s is not None and w.phase in ("", "load"):
-        return w.started + max(load_timeout_s, 0.0)
-    if compile_timeout_s is not None and w.phase == COMPILE:
-        return w.phase_started + compile_timeout_s
-    return w.phase_started + timeout_s - w.spent
-
-
-def next_check(w: Any, now: float, timeout_s: float, load_timeout_s: float | None,
-               compile_timeout_s: float | None) -> float:
-    """For a supervisor that sees `w`'s phase only when it looks (a Ray actor's, read from its node):
-    when to look next, so that no deadline passes unseen. The deadline as of now, or sooner if a phase
-    change could bring it (loading ends: `timeout_s` from then; the compiler starts or stops)."""
-    compute = timeout_s - (0.0 if w.phase in ("", "load") else w.spent)
-    soonest = min(compute, compile_timeout_s if compile_timeout_s is not None else math.inf)
-    return min(deadline(w, timeout_s, load_timeout_s, compile_timeout_s), now + max(1.0, soonest))
 
 
 class ExecutorError(RuntimeError):
@@ -104,10 +71,7 @@ class Worker:
         self.born = time.monotonic()
         self.ready = False
         self.job: Any = None  # the caller's handle for the job in flight
-        self.started = 0.0
-        self.phase = ""  # the job's current phase, as the child reported it
-        self.phase_started = 0.0  # when the current budget window began (after loading, or a compile)
-        self.spent = 0.0  # seconds of the --timeout window used before the compiler last ran
+        self.clock = JobClock()  # the job's phase, as the child reported it, and its budget state
         self.done = 0  # jobs finished by this worker
         self.killed_for: str | None = None
 
@@ -117,9 +81,7 @@ class Worker:
 
     def send(self, job: Any, payload: Any) -> None:
         self.job = job
-        self.started = self.phase_started = time.monotonic()
-        self.phase = ""
-        self.spent = 0.0
+        self.clock = JobClock.start(time.monotonic())
         self.conn.send(payload)
 
     def kill(self, reason: str) -> None:
@@ -165,20 +127,16 @@ class Pool:
         target: Callable[..., None],
         args_for: Callable[[str], tuple],
         *,
-        timeout_s: float,
+        budgets: Budgets,
         max_rss_mb: float | None = None,
         startup_timeout_s: float | None = None,
-        load_timeout_s: float | None = None,
-        compile_timeout_s: float | None = None,
     ) -> None:
         self.ctx = ctx
         self.target = target
         self.args_for = args_for
-        self.timeout_s = timeout_s
+        self.budgets = budgets
         self.max_rss_mb = max_rss_mb
         self.startup_timeout_s = startup_timeout_s
-        self.load_timeout_s = load_timeout_s
-        self.compile_timeout_s = compile_timeout_s
         self.workers: list[Worker] = []
         self.started = 0  # workers started, replacements included
 
@@ -229,7 +187,7 @@ class Pool:
                 w.ready = True
                 out.append(Event("ready", w, msg))
             elif msg.get("type") == "phase":
-                enter_phase(w, msg["name"], time.monotonic())
+                w.clock.enter(msg["name"], time.monotonic())
             elif msg.get("type") == "result":
                 out.append(Event("result", w, msg["result"]))
                 w.done += 1
@@ -239,7 +197,7 @@ class Pool:
         return out
 
     def _deadline(self, w: Worker) -> float:
-        return deadline(w, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
+        return self.budgets.deadline(w.clock)
 
     def _deadlines(self) -> list[Event]:
         now = time.monotonic()
@@ -255,6 +213,10 @@ class Pool:
                 w.kill("startup")
                 events.append(Event("startup", w))
         return events
+
+    def node_devices(self, w: Worker) -> list[str]:
+        """The devices that leave with `w`'s host: only its own (a local pool has one host, never lost)."""
+        return [w.key]
 
     def close(self) -> None:
         for w in self.workers:

@@ -32,7 +32,7 @@ class QuietLock:
         self._main: IO[bytes] = open(path, "ab")  # noqa: SIM115 - held across phases, closed in `close`
         self._intent: IO[bytes] = open(f"{path}.intent", "ab")  # noqa: SIM115
         self._wait_s = wait_s
-        self._mode = ""  # "", "shared", "alone", or "off" (waited too long: no lock until the job ends)
+        self._held = ""  # how the lock is held: "", "shared", "alone", or "off" (waited too long: no lock until the job ends)
         self.timed_alone = True  # this job's timed phase ran alone (or there was none)
 
     def _take(self, f: IO[bytes], how: int, until: float) -> bool:
@@ -48,26 +48,26 @@ class QuietLock:
     def enter(self, phase: str) -> None:
         """The worker's job enters `phase` (waits while another worker times, or, for the timed phase,
         until the others' phases end)."""
-        if self._mode == "off":
+        if self._held == "off":
             return
         until = time.monotonic() + self._wait_s
         if phase == TIMED:
-            if self._mode != "alone":
+            if self._held != "alone":
                 self.release()
                 if self._take(self._intent, fcntl.LOCK_EX, until) and self._take(self._main, fcntl.LOCK_EX, until):
-                    self._mode = "alone"
+                    self._held = "alone"
                 else:
                     self._off()
                     self.timed_alone = False
             return
-        if self._mode == "shared":
+        if self._held == "shared":
             if self._take(self._intent, fcntl.LOCK_SH, 0.0):  # no timer waiting: keep the phase's lock
                 fcntl.flock(self._intent, fcntl.LOCK_UN)
                 return
         self.release()  # a timer waits: let it have the host
         if self._take(self._intent, fcntl.LOCK_SH, until) and self._take(self._main, fcntl.LOCK_SH, until):
             fcntl.flock(self._intent, fcntl.LOCK_UN)
-            self._mode = "shared"
+            self._held = "shared"
         else:
             self._off()
 
@@ -77,12 +77,12 @@ class QuietLock:
 
     def _off(self) -> None:
         self._unlock()
-        self._mode = "off"
+        self._held = "off"
 
     def release(self) -> None:
         """Hold nothing (between jobs, or before taking the lock another way)."""
         self._unlock()
-        self._mode = ""
+        self._held = ""
 
     def end_job(self) -> bool:
         """The job is over: hold nothing; whether its timed phase ran alone."""

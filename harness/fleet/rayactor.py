@@ -5,7 +5,7 @@ through the same `run_task` as a local worker, so its rows are the same; on its 
 local worker does, so that a fatal signal the process sends itself (a driver's abort, sim's crash
 fault) stops the model where it is. What the driver needs to know about a job in flight, the actor
 keeps in a small file on its node, where no death can erase it: the job's phase and its time budget
-(`pool.enter_phase`, on the node's clock), and a fatal signal's report next to it (`faulthandler`).
+(`budgets.JobClock`, on the node's clock), and a fatal signal's report next to it (`faulthandler`).
 The driver reads them with a task on the same node: `peek` when a job has run as long as its
 shortest budget, `autopsy` when the actor died under it. A message per phase to the driver instead
 cost the tiny zoo 1.1x its wall on a 2-core host (the RPC threads of the actors and of the actor
@@ -22,8 +22,9 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
+
+from harness.fleet.budgets import JobClock
 
 STATE_DIR = Path(tempfile.gettempdir()) / "portharness-ray"
 _WIDTH = 128  # bytes of the phase file: "<phase> <started> <window start> <spent>", space-padded
@@ -51,17 +52,16 @@ def _sweep() -> None:
             f.unlink(missing_ok=True)
 
 
-def _budget(text: str) -> tuple[str, float, float, float] | None:
-    """(phase, seconds since the job began, since its budget window began, seconds spent before the
-    window) from a phase file's text; None when no job is in flight."""
-    parts = text.split()
-    if len(parts) != 4:
+def _budget(text: str) -> tuple[str, float, float] | None:
+    """(phase, seconds since its budget window began, seconds spent before the window) from a phase
+    file's text; None when no job is in flight."""
+    clock = JobClock.parse(text)
+    if clock is None:
         return None
-    now = time.monotonic()  # the node's clock, as the actor's times are
-    return parts[0], now - float(parts[1]), now - float(parts[2]), float(parts[3])
+    return clock.phase, time.monotonic() - clock.phase_started, clock.spent  # the node's clock, as the actor's
 
 
-def peek(pid: int) -> tuple[str, float, float, float] | None:
+def peek(pid: int) -> tuple[str, float, float] | None:
     """The job actor `pid` (alive) is running: `_budget` of its phase file."""
     try:
         return _budget(_paths(pid)[0].read_text(errors="replace"))
@@ -113,7 +113,6 @@ class DeviceActor:
             os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = autoload
         from harness.backends import adapter_for
         from harness.fleet import worker
-        from harness.fleet.pool import enter_phase
         from harness.run.memory import cap_address_space
 
         STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -128,7 +127,6 @@ class DeviceActor:
         self.device = device
         self.host = host
         self._run_task = worker.run_task
-        self._enter_phase = enter_phase
 
     def hello(self) -> dict[str, Any]:
         import ray
@@ -139,12 +137,11 @@ class DeviceActor:
 
     def run(self, payload: dict[str, Any]) -> tuple[Any, dict[str, bytes]]:
         """One model: its Measurement and its repro files."""
-        now = time.monotonic()
-        job = SimpleNamespace(started=now, phase="", phase_started=now, spent=0.0)  # as `pool.Worker` keeps it
+        clock = JobClock.start(time.monotonic())  # as a local pool keeps its worker's
 
         def phase(name: str) -> None:
-            self._enter_phase(job, name, time.monotonic())
-            line = f"{name} {job.started:.6f} {job.phase_started:.6f} {job.spent:.6f}"
+            clock.enter(name, time.monotonic())
+            line = clock.line()
             os.pwrite(self._phase_fd, line.encode()[:_WIDTH].ljust(_WIDTH), 0)  # survives a crash right after
 
         try:

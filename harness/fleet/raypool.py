@@ -32,7 +32,8 @@ from urllib.parse import urlsplit
 
 from harness import files
 from harness.backends import adapter_for, device_type
-from harness.fleet.pool import Event, ExecutorError, deadline, next_check
+from harness.fleet.budgets import Budgets, JobClock
+from harness.fleet.pool import Event, ExecutorError
 
 RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
 CONNECT_TIMEOUT_S = 10.0
@@ -195,10 +196,7 @@ class RayWorker:
         self.born = time.monotonic()
         self.ready = False
         self.job: Any = None
-        self.started = 0.0
-        self.phase = ""
-        self.phase_started = 0.0
-        self.spent = 0.0  # as a local worker's (`pool.enter_phase`), as last read from its node
+        self.clock = JobClock()  # as a local worker's, as last read from its node
         self.check_at = 0.0  # when the driver next reads the job's budget from its node
         self.done = 0
         self.killed_for: str | None = None
@@ -214,10 +212,8 @@ class RayWorker:
 
     def send(self, job: Any, payload: Any) -> None:
         self.job = job
-        self.started = self.phase_started = time.monotonic()
-        self.phase = ""
-        self.spent = 0.0
-        self.check_at = self.started + self.first_check_s
+        self.clock = JobClock.start(time.monotonic())
+        self.check_at = self.clock.started + self.first_check_s
         self.run_ref = self.actor.run.remote(payload)
 
     def kill(self, reason: str) -> None:
@@ -248,9 +244,8 @@ class RayPool:
 
     per_device = 1  # Ray hands a device to one actor at a time
 
-    def __init__(self, *, mem_cap_mb: int | None, env: dict[str, str], backends: list[str], timeout_s: float,
-                 load_timeout_s: float | None = None, startup_timeout_s: float | None = None,
-                 compile_timeout_s: float | None = None, usable: Callable[[str], bool] = lambda key: True) -> None:
+    def __init__(self, *, mem_cap_mb: int | None, env: dict[str, str], backends: list[str], budgets: Budgets,
+                 startup_timeout_s: float | None = None, usable: Callable[[str], bool] = lambda key: True) -> None:
         import ray
 
         from harness.fleet.rayactor import DeviceActor, autopsy, peek
@@ -260,9 +255,7 @@ class RayPool:
         self.autopsy = ray.remote(num_cpus=0, max_retries=0)(autopsy)
         self.peek = ray.remote(num_cpus=0, max_retries=0)(peek)
         self.args = (mem_cap_mb, env, backends)
-        self.timeout_s = timeout_s
-        self.load_timeout_s = load_timeout_s
-        self.compile_timeout_s = compile_timeout_s
+        self.budgets = budgets
         self.startup_timeout_s = startup_timeout_s
         self.usable = usable
         self.workers: list[RayWorker] = []
@@ -282,8 +275,7 @@ class RayPool:
             self.workers.append(held)
             return held
         self.started += 1
-        budgets = [b for b in (self.timeout_s, self.load_timeout_s, self.compile_timeout_s) if b is not None]
-        w = RayWorker(self.actor_cls, _slots[key], self.args, first_check_s=max(0.0, min(budgets)))
+        w = RayWorker(self.actor_cls, _slots[key], self.args, first_check_s=self.budgets.shortest)
         self.workers.append(w)
         return w
 
@@ -297,7 +289,7 @@ class RayPool:
     # -- events ------------------------------------------------------------------------------
 
     def _deadline(self, w: RayWorker) -> float:
-        return deadline(w, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
+        return self.budgets.deadline(w.clock)
 
     def poll(self, max_wait: float = 1.0) -> list[Event]:
         """Wait up to `max_wait` s (less if a deadline is nearer); every event that happened meanwhile."""
@@ -362,8 +354,9 @@ class RayPool:
             return False
         if got is None or not w.busy:
             return False
-        w.phase, _, window_age, w.spent = got
-        w.phase_started = time.monotonic() - window_age
+        phase, window_age, spent = got
+        w.clock.phase, w.clock.spent = phase, spent
+        w.clock.phase_started = time.monotonic() - window_age
         return True
 
     def _catch_up(self, w: RayWorker) -> None:
@@ -430,7 +423,7 @@ class RayPool:
             scheduling_strategy=NodeAffinitySchedulingStrategy(w.slot.node_id, soft=False)).remote(w.pid),
             timeout=AUTOPSY_TIMEOUT_S)
         if w.busy and phase:
-            w.phase = phase
+            w.clock.phase = phase
         return fatal
 
     def _deadlines(self) -> list[Event]:
@@ -446,7 +439,7 @@ class RayPool:
                     w.kill("timeout")
                     events.append(Event("timeout", w))
                 else:
-                    w.check_at = next_check(w, now, self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
+                    w.check_at = self.budgets.next_check(w.clock, now)
             elif not w.ready and self.startup_timeout_s and now - w.born > self.startup_timeout_s:
                 w.kill("startup")
                 events.append(Event("startup", w))

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.fleet.budgets import Budgets
+from harness.fleet.executor import executor_for
 from harness.run.perf import HARD_CAP
-
-EXECUTORS = ("local", "ray")
 
 
 @dataclass
@@ -40,12 +40,17 @@ class RunConfig:
     ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
     perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
     perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.perf.DEFAULT_BUDGET_S)
+
+    @property
+    def budgets(self) -> Budgets:
+        return Budgets(self.timeout_s, self.load_timeout_s, self.compile_timeout_s)
+
     def validate(self) -> None:
         """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
+        executor = executor_for(self.executor)  # ValueError naming the choices
         checks = [
-            (self.executor in EXECUTORS, f"--executor {self.executor!r}: expected one of {', '.join(EXECUTORS)}"),
-            (self.ray_address is None or self.executor == "ray", "--ray-address needs --executor ray"),
-            (self.jobs >= 1 or (self.jobs == 0 and self.executor == "ray"),
+            (self.ray_address is None or executor.address_option, "--ray-address needs --executor ray"),
+            (self.jobs >= 1 or (self.jobs == 0 and executor.all_devices_by_default),
              f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
             (self.load_timeout_s > 0, f"--load-timeout {self.load_timeout_s}: must be > 0 seconds"),

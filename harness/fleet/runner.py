@@ -1,7 +1,8 @@
 """Run a model list on a target: the glue between the pool, the policy and the store.
 
-Every model runs in a long-lived worker pinned to one device (`worker.py`, started by `pool.py`; with
-`executor="ray"`, one Ray actor per device of a cluster, `raypool.py`: the same events, the same policy).
+Every model runs in a long-lived worker pinned to one device (`worker.py`), from the run's executor
+(`executor.py`: processes on this host, or one actor per device of a cluster; the same events, the same
+policy).
 What happens to it (a result, a death, a timeout) becomes a measurement; `policy.py` decides whether
 to retry it elsewhere, strike or quarantine a device, or record the outcome; the store commits each
 finished row before the next is handed out, so after a `kill -9` of the whole run, `resume=True`
@@ -20,18 +21,17 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from harness.backends import adapter_for, load_backends, resolve_target
+from harness.backends import adapter_for, load_backends
 from harness.fleet import policy, quiet
-from harness.fleet.executor import death as _death
-from harness.fleet.executor import make_pool
-from harness.fleet.pool import Event, ExecutorError, Worker
+from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
+from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.runconfig import RunConfig
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run.attribution import CAP_TOO_SMALL
-from harness.run.configs import cache_dir
+from harness.run.compiled import cache_dir
 from harness.run.pipeline import Task
 
 
@@ -85,8 +85,9 @@ def run_models(
 
     Everything that can be wrong with the configuration or the target is found before the DB is opened,
     so bad input leaves it as it was."""
+    executor = executor_for(config.executor)
     try:
-        fleet = plan(config)
+        fleet = fleet_for(config)
         shard(entries, shard_spec)  # validates the spec
         store = ResultStore(db_path)
         try:
@@ -94,23 +95,15 @@ def run_models(
         finally:
             store.close()
     finally:
-        if config.executor == "ray":
-            from harness.fleet import raypool
-
-            raypool.disconnect()
+        executor.release()
 
 
-def plan(config: RunConfig) -> policy.Fleet:
+def fleet_for(config: RunConfig) -> policy.Fleet:
     """Check the configuration and the target (ValueError saying what is wrong); the devices to use:
-    this host's, or every node's of a Ray cluster (named `<node>/<device>`)."""
+    this host's, or every node's of a cluster (named `<node>/<device>`)."""
     config.validate()
     load_backends(config.backends)
-    if config.executor == "ray":
-        from harness.fleet import raypool
-
-        found = raypool.devices(config.target, config.ray_address)
-    else:
-        _adapter, found = resolve_target(config.target)
+    found = executor_for(config.executor).devices(config.target, config.ray_address)
     return policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
                         quarantine_after=config.quarantine_after, retries=config.retries)
 
@@ -148,14 +141,16 @@ class _Run:
         self.queue: deque[policy.Job] = deque(policy.Job(i) for i in todo)
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
-        self.jobs = config.jobs or len(fleet.active)  # ray, jobs 0: one actor per device
-        self.pool = make_pool(config.executor, jobs=self.jobs, worker_env=adapter.worker_env(settings),
-                              mem_cap_mb=config.mem_cap_mb, backends=config.backends, timeout_s=config.timeout_s,
-                              load_timeout_s=config.load_timeout_s, startup_timeout_s=config.startup_timeout_s,
-                              fork_workers=config.fork_workers, compile_timeout_s=config.compile_timeout_s, usable=lambda key: key in self.fleet.active)
+        self.jobs = config.jobs or len(fleet.active)  # jobs 0 (a cluster's default): one worker per device
+        self.executor: Executor = executor_for(config.executor)
+        self.budgets = config.budgets
+        spec = PoolSpec(jobs=self.jobs, worker_env=adapter.worker_env(settings), mem_cap_mb=config.mem_cap_mb,
+                        backends=config.backends, budgets=self.budgets, startup_timeout_s=config.startup_timeout_s,
+                        fork_workers=config.fork_workers)
+        self.pool = self.executor.pool(spec, usable=lambda key: key in self.fleet.active)
         # --perf with several workers on this host: a timed step runs while no other worker runs a phase
         self.quiet_lock = (quiet.lock_path(tempfile.gettempdir(), run_id)
-                           if config.perf and self.jobs > 1 and config.executor == "local" else "")
+                           if config.perf and self.jobs > 1 and self.executor.one_host else "")
         self.startup_failures = 0
         self.finished: dict[str, tuple[policy.Job, Measurement, str]] = {}  # model -> its recorded row
         self.samples: dict[policy.Job, str] = {}  # --rerun-flaky sample job -> the model it samples
@@ -180,7 +175,7 @@ class _Run:
         if dev is not None:
             self.pool.spawn(dev)
 
-    def _replace(self, w: Worker) -> None:
+    def _replace(self, w: PoolWorker) -> None:
         self.pool.retire(w)
         if len(self.pool.workers) < self.jobs and (self.queue or any(x.busy for x in self.pool.workers)):
             self._spawn()
@@ -249,7 +244,7 @@ class _Run:
             self.progress.write("portharness: every device is quarantined; stopping (resume later with --resume)",
                                 file=sys.stderr)
 
-    def _lost(self, w: Worker) -> None:
+    def _lost(self, w: PoolWorker) -> None:
         """`w`'s node left the cluster: its devices leave the fleet, and what ran there runs elsewhere
         (nothing it did there was the models' doing)."""
         for q in policy.lose(self.fleet, self.pool.node_devices(w), w.host):
@@ -257,7 +252,7 @@ class _Run:
         if w in self.pool.workers:  # a device of that node that was not in service
             self._interrupted(w, policy.NODE_LOST)
 
-    def _interrupted(self, w: Worker, why: str) -> None:
+    def _interrupted(self, w: PoolWorker, why: str) -> None:
         """`w` went away for reasons of its own (its node, the network): its model runs again, elsewhere."""
         if w.job is not None:
             policy.interrupt(w.job, w.key, why)
@@ -265,14 +260,14 @@ class _Run:
             w.job = None
         self._replace(w)
 
-    def _settle(self, w: Worker, m: Measurement, phase: str = "") -> None:
+    def _settle(self, w: PoolWorker, m: Measurement, phase: str = "") -> None:
         job: policy.Job = w.job
         w.job = None
         if m.error_type == CAP_TOO_SMALL:
             raise ValueError(f"--mem-cap-mb {self.cfg.mem_cap_mb}: too small for the worker's own imports "
                              f"({m.error_message[:300]}); raise it, or 0 for no cap (the run is resumable)")
         others = bool(self.queue) or any(x.busy for x in self.pool.workers if x is not w)
-        verdict = policy.settle(self.fleet, job, m, w.key, time.monotonic() - w.started, phase, others)
+        verdict = policy.settle(self.fleet, job, m, w.key, time.monotonic() - w.clock.started, phase, others)
         if not self.first_failure and policy.evidence(m, phase) in ("fault", "death"):
             self.first_failure = f"{m.error_type}: {m.error_message[:200]}"
         self._apply(job, m, verdict)
@@ -372,7 +367,7 @@ class _Run:
                 self.queue.remove(job)
                 self._send(idle[0], job)
 
-    def _send(self, w: Worker, job: policy.Job) -> None:
+    def _send(self, w: PoolWorker, job: policy.Job) -> None:
         task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
@@ -400,11 +395,11 @@ class _Run:
                 why = (f"were not ready within {self.cfg.startup_timeout_s:.0f}s" if ev.kind == "startup"
                        else f"keep dying at start-up ({w.cause or f'exit code {code}, signal {sig}'})")
                 raise WorkerStartupError(
-                    f"{'worker processes' if w.noun == 'worker' else 'Ray actors'} for {w.key} {why}; the run is "
+                    f"{w.noun} processes for {w.key} {why}; the run is "
                     "resumable. Run `portharness check` on one model to see the error"
                 )
         if w.busy:
-            self._settle(w, _death(w, self.cfg.timeout_s, self.cfg.load_timeout_s, self.cfg.compile_timeout_s), phase=w.phase or "start")
+            self._settle(w, death(w, self.budgets), phase=w.clock.phase or "start")
         self._replace(w)
 
     def _drain(self) -> None:

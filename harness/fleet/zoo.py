@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from harness import files
+from harness.fleet.budgets import Budgets
 from harness.fleet.pool import Pool, context, serve
 from harness.models.configs import find_attr
 from harness.models.heads import candidates
@@ -186,7 +187,7 @@ def run_candidates(
 
     `check` (default `check_candidate`) must be an importable top-level function. Workers are
     recycled after `tasks_per_child` candidates to bound leaked memory."""
-    pool = Pool(context(), _serve_candidates, lambda _key: (check,), timeout_s=timeout_s, max_rss_mb=max_rss_mb)
+    pool = Pool(context(), _serve_candidates, lambda _key: (check,), budgets=Budgets(timeout_s), max_rss_mb=max_rss_mb)
     pending = list(items)
     results: list[dict[str, Any]] = []
     failures = {"died": ("crash", "worker died (exit code {code})"), "timeout": ("timeout", f"no result after {timeout_s:.0f}s"),

@@ -118,7 +118,7 @@ class Measurement:
     ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
     ref_key: str = ""  # its reference-cache key
 
-    # --compile (harness.run.configs): what compiling made and cost, apart from the run's seconds
+    # --compile (harness.run.compiled): what compiling made and cost, apart from the run's seconds
     compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
     compile_node: str = ""  # ... the op or graph node the compiler's error names
     graph_count: int | None = None  # graphs Dynamo compiled

@@ -36,8 +36,6 @@ import torch
 from harness.results.rows import output_step, step_output
 from harness.run.compare import _multiplier  # the rule's m (3 for small or half-precision outputs, else 2)
 
-NEW_TOKENS = 8
-CACHES = ("dynamic", "static")
 _NOT_PROMPT = ("decoder_input_ids", "decoder_attention_mask", "labels")
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from harness.backends.contracts import Contract, Emulate
-from harness.run.configs import Configuration, Graph
+from harness.run.compiled import Configuration, Graph
 from harness.run.opcheck import OpFailure, judge_output
 
 _STATE = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast,
@@ -238,7 +238,7 @@ def check_graphs(graphs: list[Graph], cfg: Configuration, contract: Contract, de
             gm, judged, n_out = _with_every_node(graph.gm)
             if not judged:
                 continue
-            compiled = torch.compile(gm, backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic)
+            compiled = torch.compile(gm, backend=cfg.backend, mode=cfg.compile_mode, dynamic=cfg.dynamic)
             with torch.no_grad():
                 values = compiled(*graph.args)
             values = {n: _host(v) for n, v in zip(judged, values[n_out:], strict=True)}

@@ -15,7 +15,8 @@ outputs are judged:
   path). The target's own free-running tokens are a metric (tokens matched, first divergent step, near-tie
   or bug there). A model without a generation head is `skipped`.
 
-A new mode is one more `Mode` in `MODES` (its CLI choice comes from there). What its `plan` decides goes
+A new mode is one more `Mode` in `MODES`, and its name in `harness.run.MODE_NAMES` (the CLI's choices, which
+must not import torch). What its `plan` decides goes
 into `Plan.fields` (JSON-able row fields); the reference cache keeps them, and `rebuild` makes the same
 step from them without running it. A mode whose `plan` runs the step to decide overrides `rebuild`.
 """
@@ -31,7 +32,7 @@ import torch
 from harness.backends.contracts import autocast_region
 from harness.models.labels import make_labels
 from harness.models.outputs import output_tensors
-from harness.run import generate
+from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS, generate
 from harness.run.compare import Tolerance, Verdict
 from harness.run.train import (
     OPTIMIZERS,
@@ -67,7 +68,7 @@ class Skip(Exception):
 
 
 @dataclass
-class Judged:
+class Assessment:
     """What a mode adds to a verdict: row fields, a decided outcome, messages for a drift's explanation."""
 
     fields: dict[str, Any] = field(default_factory=dict)
@@ -108,8 +109,8 @@ class Mode:
         """(reference, oracle, expected, tolerance) as the comparison should see them."""
         return ref, oracle, expected, tol
 
-    def judge(self, ref: dict, target: dict, verdict: Verdict) -> Judged:
-        return Judged()
+    def assess(self, ref: dict, target: dict, verdict: Verdict) -> Assessment:
+        return Assessment()
 
     def measure(self, side: Any, target: Any, verdict: Verdict, tol: Tolerance) -> dict[str, Any]:
         """Row fields measured beyond the verdict, from the reference side and the target side."""
@@ -180,8 +181,8 @@ class TrainMode(Mode):
             expected = {**expected, **{k: v for k, v in ref.items() if k.split("/")[0] in OPTIMIZERS}}
         return ref, oracle, expected, tol
 
-    def judge(self, ref, target, verdict):
-        judged = Judged(train_metrics(ref, target, {c.name: c for c in verdict.checks}))
+    def assess(self, ref, target, verdict):
+        judged = Assessment(train_metrics(ref, target, {c.name: c for c in verdict.checks}))
         if SKIPPED in target and "loss" in ref and not any(k.startswith("grad/") for k in ref):
             judged.fields["amp_step_skipped"] = "both" if bool(target[SKIPPED].item()) else "reference only"
         elif SKIPPED in target and bool(target[SKIPPED].item()):
@@ -223,11 +224,11 @@ class GenerateMode(Mode):
     name = "generate"
     localizes = False  # a drift names the step; module outputs of one forward would not say which
 
-    def __init__(self, new_tokens: int = generate.NEW_TOKENS, cache: str = "dynamic") -> None:
+    def __init__(self, new_tokens: int = NEW_TOKENS, cache: str = KV_CACHES[0]) -> None:
         self.new_tokens, self.cache = new_tokens, cache
 
     def configured(self, settings: dict[str, Any]) -> Mode:
-        return GenerateMode(int(settings.get("new_tokens", generate.NEW_TOKENS)), settings.get("cache", "dynamic"))
+        return GenerateMode(int(settings.get("new_tokens", NEW_TOKENS)), settings.get("cache", KV_CACHES[0]))
 
     def plan(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int) -> Plan:
         """Decode greedily on the reference; the step decodes along its tokens."""
@@ -252,8 +253,8 @@ class GenerateMode(Mode):
         return Plan(step, prompt, dict(fields), extra=generate.free_running(self.new_tokens, self.cache),
                     phase=step.now)
 
-    def judge(self, ref, target, verdict):
-        return Judged(generate.step_fields({c.name: c for c in verdict.checks}))
+    def assess(self, ref, target, verdict):
+        return Assessment(generate.step_fields({c.name: c for c in verdict.checks}))
 
     def measure(self, side, target, verdict, tol):
         if target.extra is None:
@@ -278,6 +279,7 @@ def _step(k: int) -> str:
 
 
 MODES: dict[str, Mode] = {m.name: m for m in (Mode(), TrainMode(), GenerateMode())}
+assert tuple(MODES) == MODE_NAMES, "harness.run.MODE_NAMES (what the CLI offers) must name every mode"
 
 
 def mode_for(settings: dict[str, Any]) -> Mode:

@@ -7,7 +7,10 @@ the target's unsupported_op, crash, oom, drift) or pass. Timeouts and worker dea
 supervisor, which sees the process die; whose fault an exception is, is `attribution`'s call. What one
 step is (a forward, a training step, a teacher-forced decoding) is the mode's (`modes`), and so are the
 row fields it measures beyond the verdict; the reference side and the target side are phases of their
-own (`reference`, `target`), each device phase ending with a synchronize. With a reference cache
+own (`reference`, `target`), each device phase ending with a synchronize. How the target runs is a
+`variants.Variant` (eager, compiled); after the first verdict, each follow-up (`variants.FOLLOW_UPS`: a
+compiled failure re-checked eagerly, a declared-precision pass confirmed at full precision) may run the
+target once more under other settings through the same path and fold its verdict into the row. With a reference cache
 (`Task.ref_cache`) a model seen before takes its reference side from there, and its CPU model goes to
 the device itself instead of a copy (no CPU copy is kept, nor an fp64 one, unless the mode needs the CPU
 model after the target: train mode's replayed updates); a drift that needs them for localization
@@ -17,10 +20,9 @@ rebuilds them then.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,45 +30,26 @@ import torch
 
 from harness.backends import adapter_for
 from harness.backends.contracts import Emulate, amp, autocast_region, contract, with_amp
-from harness.models.inputs import make_inputs
-from harness.models.load import load_model
 from harness.models.model_list import ModelEntry
-from harness.outcomes import PASSING
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
-from harness.run.configs import CompileWatch, Configuration, compile_cache, uncompile
+from harness.run.compiled import CompileWatch, Configuration, compile_cache
+from harness.run.context import ModelRun, Stop, Task, load
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
-from harness.run.opcheck import OpJudge
+from harness.run.opcheck import OpCheck, describe, repro_preamble, write_repro
 from harness.run.oracle import COPY_MAX_PARAMS, n_params
-from harness.run.perf import DEFAULT_BUDGET_S, measure_model
+from harness.run.perf import measure_model
 from harness.run.refcache import RefCache
-from harness.run.reference import ReferenceSide, Stop, reference_side
-from harness.run.repro import describe, repro_preamble, write_repro
-from harness.run.target import census_fields, target_side, to_device
+from harness.run.reference import reference_side
+from harness.run.target import TargetSide, census_fields, target_side, to_device
+from harness.run.variants import FOLLOW_UPS, Variant, first_variant
 
 OP_SAMPLE = 2  # calls judged per op signature when the op check samples
 
-
-@dataclass
-class Task:
-    """One model to run on one target device with the given backend settings."""
-
-    entry: dict[str, Any]
-    target: str  # device string: "sim:1", "cuda:0", "cpu"
-    settings: dict[str, Any] = field(default_factory=dict)  # precision, ops, attn
-    seed: int = 0
-    localize: bool = True
-    repro_dir: str = ""  # where the first diverging op's standalone repro goes ("" = none)
-    backends: list[str] = field(default_factory=list)  # modules the repro imports to get the backend
-    ref_cache: str = ""  # reference cache directory ("" = none: the reference side is computed)
-    perf: bool = False  # time the step after the verdict (harness.run.perf)
-    perf_budget_s: float = DEFAULT_BUDGET_S
-    compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
-    quiet_lock: str = ""  # --perf beside other workers: the run's lock file (harness.fleet.quiet)
-    quiet_wait_s: float = 30.0  # the longest wait for it
+__all__ = ["Task", "run_one"]
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
@@ -112,97 +95,76 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
             after: list[Callable[[], dict[str, Any]]]) -> None:
     """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
     the verdict goes into `after`."""
-    device = task.target
-    adapter = adapter_for(device)
+    adapter = adapter_for(task.target)
     mode = mode_for(task.settings)
     with clock.phase("load"):
         try:
-            loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
-                                dtype=task.settings.get("dtype"))
-            model = loaded.model
-            inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
+            loaded, inputs = load(entry, task)
         except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
             raise Stop(classify_exception(e, adapter, "load")) from None
 
-    cfg = Configuration.of(task.settings)
-    declared = contract(with_amp(adapter.declared_precision(task.settings), cfg.amp))
+    declared = contract(with_amp(adapter.declared_precision(task.settings), Configuration.of(task.settings).amp))
     if declared.amp is not None:
         tol = replace(tol, amp_eps=torch.finfo(declared.amp).eps)
-    cache = RefCache(task.ref_cache) if task.ref_cache else None
-    side = reference_side(model, loaded, entry, inputs, mode, declared, task.settings, task.seed, adapter, clock,
-                          cache)
+    run = ModelRun(entry, task, mode, adapter, clock, loaded, inputs, declared, tol)
+    run.side = side = reference_side(run, RefCache(task.ref_cache) if task.ref_cache else None)
     out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
     out.update(side.fields)
 
     # A small model keeps its CPU copy for module-level localization (and train mode's replayed updates);
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
-    # reference side needs no CPU copy for localization: the rare drift rebuilds it (`_cpu_models`).
-    params = n_params(model)
-    localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
-    keep_cpu = mode.keeps_cpu_model or (params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
-    cpu_model = model if keep_cpu else None
-    judge = _judge(device, declared, task.settings.get("op_check", "auto"), params)
-    if not cfg.compiled:
-        with clock.phase("target"):
-            target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
-                                 copy_model=keep_cpu, cfg=cfg)
-        if task.perf:
-            after.append(_perf(side.plan, cpu_model, target, device, adapter, task))
-        _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, out,
-                 inputs if localizes else None)
-        return
-    # Compiled: a row that does not pass also says what the same step does eagerly on the same device.
-    watch = CompileWatch(clock.announce, lambda: clock.current)
-    with compile_cache(task.compile_cache):
+    # reference side needs no CPU copy for localization: the rare drift rebuilds it (`ModelRun.cpu_models`).
+    params = n_params(run.model)
+    run.localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
+    run.keep_cpu = mode.keeps_cpu_model or (
+        params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
+
+    judged = first_variant(run)
+    fields, last = _attempt(run, judged, after)
+    out.update(fields)
+    for follow in FOLLOW_UPS:
+        variant = follow.after(run, judged, out)
+        if variant is None:
+            continue
+        fields, target = _attempt(run, variant)
+        if follow.merge(run, out, {k: v for k, v in fields.items() if not k.startswith("_")}):
+            judged, last = variant, target or last
+    del last
+
+
+def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str, Any]]] | None = None
+             ) -> tuple[dict[str, Any], TargetSide | None]:
+    """Run the target as `variant` says and judge it: its row fields (its failure's, if it stopped) and its
+    target side. The first variant's phases are the row's own (target, compare, localize); a follow-up's
+    are all one phase of its name."""
+    fields: dict[str, Any] = {}
+    clock = run.clock
+    target = None
+    own = contextlib.nullcontext() if variant.first else clock.phase(variant.phase)
+    with own, compile_cache(run.task.compile_cache) if variant.cfg.compiled else contextlib.nullcontext():
         try:
-            with clock.phase("target"):
-                target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
-                                     copy_model=keep_cpu, cfg=cfg, watch=watch, contract=declared)
-            out.update(target.compile_fields)
-            if task.perf:
-                after.append(_perf(side.plan, cpu_model, target, device, adapter, task))
-            # localized by the graph check's node, not by module hooks (they would change what is compiled)
-            _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, out)
+            watch = CompileWatch(clock.announce, lambda: clock.current) if variant.cfg.compiled else None
+            with clock.phase(variant.phase) if variant.first else contextlib.nullcontext():
+                target = target_side(run, variant, _op_check(run, variant), watch=watch)
+            fields.update(target.compile_fields)
+            if variant.timed and after is not None:
+                after.append(_perf(run, target, variant))
+            _verdict(run, variant, target, fields)
         except Stop as stop:
-            out.update(stop.fields)
-    if out.get("outcome") in PASSING or out.get("device_fault"):
-        return
-    if not keep_cpu:
-        uncompile(model)  # it went to the device in place
-    eager: dict[str, Any] = {}
-    with clock.phase("eager"):
-        try:
-            target = target_side(model, side.plan, device, adapter, task.settings, task.seed,
-                                 _judge(device, declared, task.settings.get("op_check", "auto"), params),
-                                 copy_model=keep_cpu, cfg=cfg.eager())
-            _verdict(entry, replace(task, repro_dir=""), mode, side, target, declared, tol, cpu_model, adapter, clock,
-                     eager)
-        except Stop as stop:
-            eager.update(stop.fields)
-    out.update(eager_message(out, eager, device))
+            fields.update(stop.fields)
+    return fields, target
 
 
-def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
-    """The compiled row's `eager_outcome` and its message saying whose failure it is."""
-    outcome = eager.get("outcome", "")
-    if outcome in PASSING:
-        head = f"compiled only; eager on {device} passes ({outcome})"
-    else:
-        why = eager.get("first_drift_op") or eager.get("unsupported_op") or eager.get("error_type") or ""
-        head = f"eager on {device} fails too ({outcome}{': ' + why if why else ''})"
-    return {"eager_outcome": outcome, "error_message": f"{head}; {compiled.get('error_message', '')}"[:2000]}
-
-
-def _verdict(entry: ModelEntry, task: Task, mode: Any, side: ReferenceSide, target: Any, declared: Any,
-             tol: Tolerance, model: torch.nn.Module | None, adapter: Any, clock: PhaseClock, out: dict[str, Any],
-             inputs: dict[str, Any] | None = None) -> None:
+def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str, Any]) -> None:
     """Compare the target's step with the reference side's and explain a drift, writing the row's fields
-    into `out` (`model`: the CPU model, if kept; `inputs`: the model's, to localize a drift to a module)."""
-    device = task.target
-    judge = target.judge
+    into `out`."""
+    assert run.side is not None
+    side, mode, declared, clock = run.side, run.mode, variant.declared, run.clock
+    check = target.op_check
     out["_target_s"] = target.seconds
-    with clock.phase("compare") if clock.current != "eager" else contextlib.nullcontext():
-        ref, oracle, expected, tol = mode.before_compare(model, side.ref, target.out, side.oracle, side.expected, tol)
+    with clock.phase("compare") if variant.first else contextlib.nullcontext():
+        ref, oracle, expected, tol = mode.before_compare(run.cpu_model, side.ref, target.out, side.oracle,
+                                                         side.expected if not declared.exact else None, run.tol)
         verdict = compare_outputs(ref, target.out, oracle, tol, expected)
     out.update(
         census_fields(target.census),
@@ -210,15 +172,15 @@ def _verdict(entry: ModelEntry, task: Task, mode: Any, side: ReferenceSide, targ
         **verdict.summary(),
         contract=declared.name,
         outcome=verdict.outcome,
-        ops_checked=judge.checked if judge is not None else None,
-        ops_sampled_out=judge.sampled_out if judge is not None and judge.per_signature is not None else None,
+        ops_checked=check.checked if check is not None else None,
+        ops_sampled_out=check.sampled_out if check is not None and check.per_signature is not None else None,
     )
-    judged = mode.judge(ref, target.out, verdict)
-    out.update(judged.fields, **mode.measure(side, target, verdict, tol))
-    if judged.outcome is not None:
-        out.update(outcome=judged.outcome, error_message=judged.message)
+    assessed = mode.assess(ref, target.out, verdict)
+    out.update(assessed.fields, **mode.measure(side, target, verdict, tol))
+    if assessed.outcome is not None:
+        out.update(outcome=assessed.outcome, error_message=assessed.message)
         return
-    kernel = judge.failure if judge is not None else None
+    kernel = check.failure if check is not None else None
     if verdict.outcome != "drift" and kernel is None:
         return
     out["outcome"] = "drift"
@@ -235,10 +197,10 @@ def _verdict(entry: ModelEntry, task: Task, mode: Any, side: ReferenceSide, targ
             if kernel.ratio is not None else  # a wrong shape or dtype: nothing to measure, still the finding
             f"{where} returns output {kernel.output} unlike the CPU's: {kernel.note or 'not comparable'}"
         )
-        if task.repro_dir and kernel.func is not None:  # a compiled graph's node has no single ATen op to replay
-            preamble = repro_preamble(task.backends, adapter.repro_setup(task.settings))
-            out["repro_path"] = str(write_repro(kernel, contract=declared, target=task.target, preamble=preamble,
-                                                model_id=entry.id, directory=Path(task.repro_dir)))
+        if run.task.repro_dir and variant.repro and kernel.func is not None:  # a graph's node has no single ATen op
+            preamble = repro_preamble(run.task.backends, run.adapter.repro_setup(variant.settings))
+            out["repro_path"] = str(write_repro(kernel, contract=declared, target=run.device, preamble=preamble,
+                                                model_id=run.entry.id, directory=Path(run.task.repro_dir)))
     if verdict.outcome == "drift" and worst is not None:
         messages.append(
             f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, declared ratio "
@@ -248,56 +210,51 @@ def _verdict(entry: ModelEntry, task: Task, mode: Any, side: ReferenceSide, targ
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     messages += mode.explain(out, kernel, verdict, "fp32" if declared.exact else "declared")
     out["error_message"] = "; ".join(messages)
-    if inputs is not None:  # the caller localizes: a small model, eager, a mode that names modules
-        with clock.phase("localize"):
-            try:
-                cpu, oracle_model = ((model, side.oracle_model) if not side.cached
-                                     else _cpu_models(entry, task, side, model))
-                site = _localize(cpu, oracle_model, target.model, inputs, target.inputs, tol, adapter,
-                                 task.settings, None if declared.exact else declared)
-                adapter.synchronize(device)
-            except Exception as e:  # localization is diagnostics: never lose the verdict over it
-                late = drain(adapter, device)
-                out["error_message"] += (f"; localization failed: {type(e).__name__}: {e}"
-                                         + (f" (the device then reported {type(late).__name__}: {late})" if late else ""))
-            else:
-                if site is not None:
-                    out["first_drift_module"] = site.module
-                    out["first_drift_module_type"] = site.module_type
+    if run.localizes and variant.localize:
+        with clock.phase("localize") if variant.first else contextlib.nullcontext():
+            _localized(run, variant, target, out)
 
 
-def _cpu_models(entry: ModelEntry, task: Task, side: ReferenceSide, model: torch.nn.Module | None
-               ) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The CPU model (`model` where it was kept; else loaded again and prepared as its plan prepares it)
-    and its fp64 copy where the oracle was one: what a run without the cache keeps for localization,
-    rebuilt for a drift whose reference side came from the cache."""
-    if model is None:
-        loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
-                            dtype=task.settings.get("dtype"))
-        model = loaded.model
-        inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
-        mode_for(task.settings).rebuild(model, loaded, entry, inputs, task.seed, side.plan.fields)
-    return model, copy.deepcopy(model).double() if side.oracle_rule == "fp64-copy" else None
+def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str, Any]) -> None:
+    """The first drifting module, into `out` (localization is diagnostics: never lose the verdict over it)."""
+    try:
+        cpu, oracle_model = run.cpu_models()
+        site = _localize(run, variant, cpu, oracle_model, target)
+        run.adapter.synchronize(run.device)
+    except Exception as e:
+        late = drain(run.adapter, run.device)
+        out["error_message"] += (f"; localization failed: {type(e).__name__}: {e}"
+                                 + (f" (the device then reported {type(late).__name__}: {late})" if late else ""))
+    else:
+        if site is not None:
+            out["first_drift_module"] = site.module
+            out["first_drift_module_type"] = site.module_type
 
 
-def _perf(plan, cpu_model, target, device, adapter, task) -> Callable[[], dict[str, Any]]:
+def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], dict[str, Any]]:
     """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
-    of the CPU model of a checkpoint that moved to the device in place). A compiled configuration
-    (``--compile``, issue 20's ``compile`` setting) also times the step eagerly: the speedup."""
-    return lambda: measure_model(plan, cpu_model, target, device, adapter, task.settings, task.perf_budget_s,
-                                 compiled=bool(task.settings.get("compile")))
+    of the CPU model of a checkpoint that moved to the device in place). A compiled variant also times the
+    step eagerly: the speedup."""
+    assert run.side is not None
+    plan, cpu_model = run.side.plan, run.cpu_model
+    return lambda: measure_model(plan, cpu_model, target, run.device, run.adapter, variant.settings,
+                                 run.task.perf_budget_s, compiled=variant.cfg.compiled)
 
 
-def _judge(device: str, declared, mode: str, params: int) -> OpJudge | None:
-    """The op check for this model: every call for small models (and `all`), the first calls of each
-    signature for real checkpoints (a 24-layer model repeats each kernel 24 times)."""
-    if mode == "off":
+def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:
+    """The op check for this run of the target (compiled: the graph check, which takes its place): every call
+    for small models (and `all`), the first calls of each signature for real checkpoints (a 24-layer model
+    repeats each kernel 24 times)."""
+    how = run.settings.get("op_check", "auto")
+    if how == "off" or not variant.op_check:
         return None
-    sampled = mode == "sampled" or (mode == "auto" and params > COPY_MAX_PARAMS)
-    return OpJudge(torch.device(device).type, declared, per_signature=OP_SAMPLE if sampled else None)
+    sampled = how == "sampled" or (how == "auto" and n_params(run.model) > COPY_MAX_PARAMS)
+    return OpCheck(torch.device(run.device).type, variant.declared, per_signature=OP_SAMPLE if sampled else None)
 
 
-def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, settings, declared):
+def _localize(run: ModelRun, variant: Variant, model: torch.nn.Module, oracle_model: torch.nn.Module | None,
+              target: TargetSide):
+    inputs, declared = run.inputs, None if variant.declared.exact else variant.declared
     ref_rec = capture(model, lambda: model(**inputs))
     oracle_rec = (
         capture(oracle_model, lambda: oracle_model(**to_device(inputs, "cpu", torch.float64))) if oracle_model else None
@@ -307,7 +264,7 @@ def _localize(model, oracle_model, tmodel, inputs, target_inputs, tol, adapter, 
         with Emulate(declared), autocast_region("cpu"):
             expected_rec = capture(model, lambda: model(**inputs))
     # the target's settings only around the target (they may be global)
-    with adapter.apply(settings), amp(declared.amp if declared is not None else None):
-        with autocast_region(torch.device(adapter.kind)):
-            tgt_rec = capture(tmodel, lambda: tmodel(**target_inputs))
-    return first_drift(ref_rec, tgt_rec, oracle_rec, tol, expected_rec)
+    with run.adapter.apply(variant.settings), amp(declared.amp if declared is not None else None):
+        with autocast_region(torch.device(run.adapter.kind)):
+            tgt_rec = capture(target.model, lambda: target.model(**target.inputs))
+    return first_drift(ref_rec, tgt_rec, oracle_rec, run.tol, expected_rec)

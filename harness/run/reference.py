@@ -14,18 +14,16 @@ deciding it is cheap).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from harness.backends import Adapter
-from harness.backends.contracts import Contract, Emulate
-from harness.models.model_list import ModelEntry
+from harness.backends.contracts import Emulate
 from harness.run.attribution import classify_exception
 from harness.run.compare import identical
+from harness.run.context import ModelRun, ReferenceSide, Stop
 from harness.run.memory import PhaseClock
-from harness.run.modes import Mode, Plan, Skip
+from harness.run.modes import Skip
 from harness.run.oracle import DEFAULT_MAX_PARAMS, fp64_outputs
 from harness.run.refcache import Entry, RefCache
 from harness.run.refkey import NoKey, components, key_of
@@ -35,45 +33,23 @@ CACHED_PHASES = ("reference", "oracle", "expected")
 STOPS_CACHED = ("ref_fail", "ref_nondeterministic")  # the reference's own answers (not oom, not a device's)
 
 
-class Stop(Exception):
-    """The model's row ends here, with these fields."""
-
-    def __init__(self, fields: dict[str, Any]) -> None:
-        super().__init__(fields.get("outcome", ""))
-        self.fields = fields
-
-
-@dataclass
-class ReferenceSide:
-    plan: Plan
-    ref: dict[str, torch.Tensor]
-    oracle: dict[str, torch.Tensor] | None
-    oracle_rule: str  # which rule judges the row (fp64-copy, fp64-streamed, none (...))
-    oracle_model: torch.nn.Module | None  # the fp64 copy, for module-level localization
-    expected: dict[str, torch.Tensor] | None  # None: the contract is exact, or the model cannot run emulated
-    ref_s: float
-    cached: bool = False  # from the reference cache: nothing above was computed, the model was not run
-    fields: dict[str, Any] = field(default_factory=dict)  # the row's ref_cache and ref_key
-
-
-def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any], mode: Mode,
-                   declared: Contract, settings: dict[str, Any], seed: int, adapter: Adapter,
-                   clock: PhaseClock, cache: RefCache | None = None) -> ReferenceSide:
+def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSide:
     """The reference phases, or their results from `cache` (`Stop` with the row's fields when the model
     goes no further)."""
+    clock = run.clock
     if cache is None:
-        return _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock)
+        return _computed(run)
     with clock.phase("ref_cache"):
         try:
-            parts = components(entry, loaded.config, inputs, mode=mode.name, contract=declared.name,
-                               settings=adapter.reference_settings(settings), seed=seed, memo=cache.memo)
+            parts = components(run.entry, run.loaded.config, run.inputs, mode=run.mode.name,
+                               contract=run.declared.name, settings=run.adapter.reference_settings(run.settings),
+                               seed=run.task.seed, memo=cache.memo)
         except NoKey as e:
-            return _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock,
-                             {"ref_cache": f"computed (not cached: {e})"})
+            return _computed(run, {"ref_cache": f"computed (not cached: {e})"})
         key = key_of(parts)
         hit, note = cache.get(key)
         if hit is not None:
-            side = _from_cache(hit, model, loaded, entry, inputs, mode, seed)
+            side = _from_cache(hit, run)
             if side is not None or "stop" in hit.meta:
                 for name in CACHED_PHASES:
                     if name in hit.meta.get("phases", {}):
@@ -86,7 +62,7 @@ def reference_side(model: torch.nn.Module, loaded: Any, entry: ModelEntry, input
             note = "recomputed: the cached decisions could not rebuild the step"
     fields = {"ref_key": key}
     try:
-        side = _computed(model, loaded, entry, inputs, mode, declared, settings, seed, adapter, clock, fields)
+        side = _computed(run, fields)
     except Stop as stop:
         if stop.fields.get("outcome") in STOPS_CACHED:
             with clock.phase("ref_store"):
@@ -115,15 +91,15 @@ def _phase_seconds(clock: PhaseClock) -> dict[str, float]:
     return {name: clock.phases[name]["s"] for name in CACHED_PHASES if name in clock.phases}
 
 
-def _from_cache(hit: Entry, model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any],
-                mode: Mode, seed: int) -> ReferenceSide | None:
+def _from_cache(hit: Entry, run: ModelRun) -> ReferenceSide | None:
     """The reference side a cache entry holds, the mode's step rebuilt from its decisions (None for a
     cached stop, or if the rebuild fails: the entry is then recomputed)."""
     meta = hit.meta
     if "stop" in meta:
         return None
     try:
-        plan = mode.rebuild(model, loaded, entry, inputs, seed, dict(meta.get("fields", {})))
+        plan = run.mode.rebuild(run.model, run.loaded, run.entry, run.inputs, run.task.seed,
+                                dict(meta.get("fields", {})))
     except Exception:
         return None
     groups: dict[str, dict[str, torch.Tensor]] = {g: {} for g in meta.get("has", [])}
@@ -134,15 +110,14 @@ def _from_cache(hit: Entry, model: torch.nn.Module, loaded: Any, entry: ModelEnt
                          groups.get("expected"), float(meta.get("ref_s") or 0.0), True)
 
 
-def _computed(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: dict[str, Any], mode: Mode,
-              declared: Contract, settings: dict[str, Any], seed: int, adapter: Adapter, clock: PhaseClock,
-              fields: dict[str, Any] | None = None) -> ReferenceSide:
+def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceSide:
     fields = dict(fields or {})
+    model, mode, seed, clock = run.model, run.mode, run.task.seed, run.clock
     with clock.phase("reference"):
         try:
             t0 = time.perf_counter()
             torch.manual_seed(seed)
-            plan = mode.plan(model, loaded, entry, inputs, seed)
+            plan = mode.plan(model, run.loaded, run.entry, run.inputs, seed)
             ref = plan.first if plan.first is not None else plan.step(model, plan.inputs)
             ref_s = time.perf_counter() - t0
             torch.manual_seed(seed + 1)  # a step that depends on the seed is not reproducible
@@ -150,7 +125,7 @@ def _computed(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: di
         except Skip as e:
             raise Stop({"outcome": "skipped", "error_message": str(e)}) from None
         except Exception as e:
-            raise Stop({**classify_exception(e, adapter, "reference"), **fields}) from None
+            raise Stop({**classify_exception(e, run.adapter, "reference"), **fields}) from None
         if not identical(ref, ref2):
             raise Stop({"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ "
                         "(the second under another seed: the step draws random numbers, or is not deterministic)",
@@ -159,17 +134,17 @@ def _computed(model: torch.nn.Module, loaded: Any, entry: ModelEntry, inputs: di
 
     with clock.phase("oracle"):
         oracle, rule, oracle_model = fp64_outputs(
-            model, plan.inputs, plan.step, max_params=int(settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
+            model, plan.inputs, plan.step, max_params=int(run.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
             streamed=mode.streamed_oracle,
         )
         if not mode.localizes:
             oracle_model = None  # it serves module-level localization only
 
     expected = None
-    if not declared.exact:
+    if not run.declared.exact:
         with clock.phase("expected"):
             try:
-                with Emulate(declared):
+                with Emulate(run.declared):
                     expected = plan.step(model, plan.inputs)
             except Exception:
                 expected = None  # the model cannot run under the emulation: judged by the fp32 envelope alone

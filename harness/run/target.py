@@ -1,14 +1,14 @@
 """The target side of one model: the model on the target device, and the step run there.
 
 Three runs (four where the mode asks for an extra one: generate's free-running decoding), each under the
-backend's settings and op census: a warm-up (first-call costs such as lazy initialisation stay out of
+variant's settings (`harness.run.variants`) and the backend's op census: a warm-up (first-call costs such as lazy initialisation stay out of
 the timing), the op check's run (every kernel judged on its own inputs
 against the CPU; after the plain run, because a dispatch mode changes some paths and the verdict on
 errors belongs to the model's own path), and the run that is judged. Each ends by synchronizing the
 device: a backend that reports a failed kernel at the next synchronizing call (as CUDA does) reports it
 here, with this model. A failure stops the row with its fields (`reference.Stop`).
 
-Under a configuration (`harness.run.configs`) the model is compiled in place before the warm-up, which
+Under a compiled configuration (`harness.run.compiled`) the model is compiled in place before the warm-up, which
 then compiles it (`CompileWatch` counts graphs, breaks, recompiles and compile seconds), and the step
 runs under autocast; a compiled run is judged by the graph check (`harness.run.graphcheck`: the
 compiled graphs' nodes against the CPU) instead of the op check, whose dispatch mode would see only the
@@ -29,11 +29,12 @@ from harness.backends import Adapter
 from harness.backends.base import OpCensus
 from harness.backends.contracts import amp
 from harness.run.attribution import drain, target_failure
-from harness.run.configs import CompileWatch, Configuration, compile_model
+from harness.run.compiled import CompileWatch, compile_model
+from harness.run.context import ModelRun, Stop
 from harness.run.graphcheck import check_graphs
 from harness.run.modes import Plan
-from harness.run.opcheck import OpJudge
-from harness.run.reference import Stop
+from harness.run.opcheck import OpCheck
+from harness.run.variants import Variant
 
 
 @dataclass
@@ -43,7 +44,7 @@ class TargetSide:
     out: dict[str, torch.Tensor]  # the judged run's named outputs, on the CPU
     seconds: float  # the judged run, synchronized
     census: OpCensus
-    judge: OpJudge | None  # None when the op check was off or could not run (compiled: the graph check)
+    op_check: Any  # the op check (an OpCheck; compiled: the graph check's), None when off or it could not run
     extra: Any = None  # the plan's extra run's result (None: it has none)
     compile_fields: dict[str, Any] = field(default_factory=dict)  # CompileWatch's, when compiled
 
@@ -65,28 +66,34 @@ def to_device(inputs: dict[str, Any], device: str | torch.device, dtype: torch.d
     return out
 
 
-def target_side(model: torch.nn.Module, plan: Plan, device: str, adapter: Adapter, settings: dict[str, Any],
-                seed: int, judge: OpJudge | None, *, copy_model: bool, cfg: Configuration | None = None,
-                watch: CompileWatch | None = None, contract: Any = None) -> TargetSide:
-    """Run `plan`'s step on `device` (`copy_model`: a deep copy goes to the device, else `model` itself)
-    under `cfg` (compiled: `watch` counts the compilation, `contract` judges the graph check)."""
-    cfg = cfg or Configuration()
+def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last: TargetSide | None = None,
+                watch: CompileWatch | None = None) -> TargetSide:
+    """Run the plan's step on the run's device as `variant` says: on the loaded model (a copy of it where the
+    CPU model is kept), a fresh one, or the device model `last` left; compiled, `watch` counts the
+    compilation and the graph check judges by the variant's contract."""
+    assert run.side is not None
+    plan, device, adapter, cfg = run.side.plan, run.device, run.adapter, variant.cfg
     census = OpCensus()
     watch = watch if cfg.compiled else None
     recorder = None
     try:
-        adapter.seed(seed)
+        adapter.seed(run.task.seed)
         inputs = to_device(plan.inputs, device)
-        with adapter.apply(settings), amp(cfg.amp_dtype), watch or contextlib.nullcontext():
+        with adapter.apply(variant.settings), amp(cfg.amp_dtype), watch or contextlib.nullcontext():
             with adapter.census() as census:
-                tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
+                if variant.source == "reuse" and last is not None:
+                    tmodel = last.model
+                else:
+                    model, copy_model = run.fresh_model() if variant.source == "fresh" else (run.model, run.keep_cpu)
+                    tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
                 if cfg.compiled:
                     recorder = compile_model(tmodel, cfg)
-                elif judge is not None:
-                    judge.name_modules(tmodel)
-                plan.step(tmodel, inputs)  # warm-up (compiled: the compile)
-                if judge is not None and recorder is None:
-                    judge = _judged_run(judge, plan, tmodel, inputs, adapter, device)
+                elif check is not None:
+                    check.name_modules(tmodel)
+                if variant.warmup:
+                    plan.step(tmodel, inputs)  # first-call costs (compiled: the compile)
+                if check is not None and recorder is None:
+                    check = _checked_run(check, plan, tmodel, inputs, adapter, device)
                 if recorder is not None:
                     recorder.capturing = True  # each graph's inputs, for the graph check
                 t0 = time.perf_counter()
@@ -96,30 +103,31 @@ def target_side(model: torch.nn.Module, plan: Plan, device: str, adapter: Adapte
                 if recorder is not None:
                     recorder.capturing = False
                 extra = None
-                if plan.extra is not None:
+                if plan.extra is not None and variant.extra:
                     extra = plan.extra(tmodel, inputs)
                     adapter.synchronize(device)
             compiled = watch.freeze() if watch is not None else {}
             if recorder is not None:
-                judge = None if judge is None else check_graphs(
-                    recorder.graphs, cfg, contract, torch.device(device).type, [n for n, _ in tmodel.named_parameters()])
+                check = None if check is None else check_graphs(
+                    recorder.graphs, cfg, variant.declared, torch.device(device).type,
+                    [n for n, _ in tmodel.named_parameters()])
                 recorder.graphs = []
-                for x in (*(judge.raised if judge is not None else ()), drain(adapter, device)):
+                for x in (*(check.raised if check is not None else ()), drain(adapter, device)):
                     if x is not None and adapter.blames_device(x) is not None:
                         raise x
     except Exception as e:
         raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census),
                     **(watch.fields() if watch is not None else {})}) from None
-    return TargetSide(tmodel, inputs, out, seconds, census, judge, extra, compiled)
+    return TargetSide(tmodel, inputs, out, seconds, census, check, extra, compiled)
 
 
-def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,
-                device: str) -> OpJudge | None:
+def _checked_run(check: OpCheck, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,
+                device: str) -> OpCheck | None:
     """The op check's run; None if it could not run (the plain run decides then), unless a device
     fault stopped it: that is the device's, and stops the row."""
-    judge.phase = plan.phase
+    check.phase = plan.phase
     try:
-        with judge:
+        with check:
             plan.step(tmodel, inputs)
         adapter.synchronize(device)
     except Exception as e:
@@ -128,4 +136,4 @@ def _judged_run(judge: OpJudge, plan: Plan, tmodel: torch.nn.Module, inputs: dic
             if x is not None and adapter.blames_device(x) is not None:
                 raise x from None
         return None
-    return judge
+    return check

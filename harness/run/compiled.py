@@ -46,7 +46,7 @@ REASONS_KEPT = 3
 @dataclass(frozen=True)
 class Configuration:
     backend: str = ""  # a torch._dynamo backend name ("" = eager)
-    mode: str | None = None  # torch.compile's mode
+    compile_mode: str | None = None  # torch.compile's mode
     dynamic: bool | None = None
     amp: str = ""  # "bf16" / "fp16" ("" = no autocast)
 
@@ -64,10 +64,10 @@ class Configuration:
         return AMP_DTYPES[self.amp] if self.amp else None
 
     def eager(self) -> Configuration:
-        return replace(self, backend="", mode=None, dynamic=None)
+        return replace(self, backend="", compile_mode=None, dynamic=None)
 
     def label(self) -> str:
-        return self.backend + (f" (mode {self.mode})" if self.mode else "") + (", dynamic" if self.dynamic else "")
+        return self.backend + (f" (mode {self.compile_mode})" if self.compile_mode else "") + (", dynamic" if self.dynamic else "")
 
 
 def check(settings: dict[str, Any]) -> None:
@@ -128,9 +128,9 @@ class Recorder:
     def __init__(self, cfg: Configuration) -> None:
         self.cfg = cfg
         if cfg.backend == "inductor":
-            self.inner = torch._TorchCompileInductorWrapper(cfg.mode, None, cfg.dynamic)
+            self.inner = torch._TorchCompileInductorWrapper(cfg.compile_mode, None, cfg.dynamic)
         else:
-            self.inner = torch._TorchCompileWrapper(cfg.backend, cfg.mode, None, cfg.dynamic)
+            self.inner = torch._TorchCompileWrapper(cfg.backend, cfg.compile_mode, None, cfg.dynamic)
         self.__name__ = cfg.backend  # how Dynamo names the backend in its errors
         self.graphs: list[Graph] = []
         self.capturing = False
@@ -160,18 +160,6 @@ def compile_model(model: torch.nn.Module, cfg: Configuration) -> Recorder:
     recorder = Recorder(cfg)
     model.compile(backend=recorder, dynamic=cfg.dynamic)
     return recorder
-
-
-def uncompile(model: torch.nn.Module) -> None:
-    """`model` runs eagerly again (what ``Module.compile`` set, removed)."""
-    model._compiled_call_impl = None
-
-
-@contextlib.contextmanager
-def eager_only() -> Iterator[None]:
-    """Compiled code runs eagerly inside (the op check's run judges each ATen op the eager model runs)."""
-    with torch.compiler.set_stance("force_eager"):
-        yield
 
 
 # -- what compiling cost and made ---------------------------------------------------------------

@@ -18,7 +18,7 @@ from conftest import LIST_HEADER, list_rows
 from harness.analysis.baseline import Config
 from harness.analysis.matrix import settings_label
 from harness.backends.contracts import contract, with_amp
-from harness.run import configs
+from harness.run import compiled
 from harness.run.attribution import AOT, BACKEND, DYNAMO, classify_exception, compile_failure
 
 
@@ -55,13 +55,13 @@ def rows(db: Path) -> dict[str, dict]:
 ])
 def test_bad_configurations_are_named(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        configs.check(settings)
+        compiled.check(settings)
 
 
 def test_a_configuration_is_part_of_the_run_identity_and_its_contract() -> None:
     settings = {"compile": "inductor:max-autotune", "dynamic": True, "amp": "bf16", "ops": "young", "precision": "default"}
-    configs.check(settings)
-    cfg = configs.Configuration.of(settings)
+    compiled.check(settings)
+    cfg = compiled.Configuration.of(settings)
     assert (cfg.backend, cfg.mode, cfg.dynamic, cfg.amp_dtype) == ("inductor", "max-autotune", True, torch.bfloat16)
     assert not cfg.eager().compiled and cfg.eager().amp == "bf16"
     assert Config.of("smoke", "sim", {"compile": "inductor", "ops": "young", "precision": "default"}).file_name == \
@@ -94,7 +94,7 @@ def test_the_reference_decides_whether_a_skipped_fp16_step_is_drift() -> None:
         expected = {**ref, **(inf if theirs else {}), SKIPPED: torch.tensor(theirs)}
         r, o, e, tol = mode.before_compare(model, ref, target, ref, expected, Tolerance())
         verdict = compare_outputs(r, target, o, tol, e)
-        judged = mode.judge(r, target, verdict)
+        judged = mode.assess(r, target, verdict)
         assert verdict.ok_declared is ok and judged.fields["amp_step_skipped"] == said
         if theirs:
             assert set(r) == {"loss", SKIPPED}  # the reference stepped nothing: its loss is what is left
@@ -347,7 +347,7 @@ def test_the_graph_check_does_not_judge_a_node_a_later_op_writes_into(device: st
     replay's own fp32 value of such a node where the device rounds (Falcon on sim, ratio 3.8e3). Nodes
     nobody writes into are judged."""
     from harness.backends.contracts import contract
-    from harness.run.configs import Configuration, compile_model
+    from harness.run.compiled import Configuration, compile_model
     from harness.run.graphcheck import _mutated_later, check_graphs
 
     if device == "sim":

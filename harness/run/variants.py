@@ -1,0 +1,163 @@
+"""Ways of running the target's step, and the re-runs that feed a verdict.
+
+A `Variant` is one way of running the step on the device: its backend settings, its configuration
+(eager or compiled, autocast), the contract its outputs are judged by, where its model comes from and
+which extras it runs. The pipeline runs the *first* variant the run's settings name (eager, or compiled
+under ``--compile``), judges it, then asks each `FollowUp` in turn whether the row needs one more run of
+the target under other settings, and folds that run's verdict into the row:
+
+- `EagerRecheck`: a compiled row that does not pass runs the same step eagerly on the same device, on a
+  fresh model, and says whose failure it is ("compiled only; eager on sim:0 passes").
+- `Confirmation`: a row that passes only within the declared precision (``pass_declared``) runs once more
+  at the device's highest precision, judged by the fp32 rule (the adapter says how: `confirm_settings`).
+  There rounding is gone, so what is left is a bug: the row becomes ``drift`` with the first drifting
+  module, op and step named from that run. A device without such a mode leaves the row ``unconfirmed``.
+
+Both are the same mechanism: a variant, run through the pipeline's one path, and a merge rule. The
+merge rules are plain functions of the row's fields (tested without a device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
+
+from harness.backends.contracts import Contract, contract
+from harness.outcomes import PASSING
+from harness.run.compiled import Configuration
+from harness.run.context import ModelRun
+
+Source = Literal["first", "fresh", "reuse"]  # the loaded model; a fresh one; the device model the last run left
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the target's step."""
+
+    name: str  # in messages: "eager", "compiled (inductor)", "eager re-check", "confirmation at highest"
+    phase: str  # the phase the clock and the supervisor see: target, eager, confirm
+    settings: dict[str, Any]  # the backend's settings around the step
+    cfg: Configuration  # compiled or eager, autocast
+    declared: Contract  # what its outputs are judged by
+    source: Source = "first"
+    warmup: bool = True  # a run before the judged one (first-call costs; compiled: the compile)
+    extra: bool = True  # the plan's extra run (generate's free-running decoding)
+    repro: bool = True  # a first diverging op gets a standalone repro
+    localize: bool = True  # a drift is localized to a module (where the run localizes at all)
+    op_check: bool = True  # the op check (or, compiled, the graph check) runs where the settings ask
+    timed: bool = False  # --perf times this run's step after the verdict
+
+    @property
+    def first(self) -> bool:
+        return self.source == "first"
+
+
+def first_variant(run: ModelRun) -> Variant:
+    """The run the settings name: eager, or compiled in place (localized by the graph check's node, not by
+    module hooks, which would change what is compiled)."""
+    cfg = Configuration.of(run.settings)
+    name = f"compiled ({cfg.label()})" if cfg.compiled else "eager"
+    return Variant(name, "target", run.settings, cfg, run.declared, localize=not cfg.compiled, timed=run.task.perf)
+
+
+class FollowUp(Protocol):
+    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
+        """The variant to run now, given the row so far (`out`, judged by `judged`); None when none is due
+        (it may note why in `out`)."""
+
+    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
+        """Fold the variant's row fields into the row; True when the row's verdict is now the variant's."""
+
+
+def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
+    """The compiled row's `eager_outcome` and its message saying whose failure it is."""
+    outcome = eager.get("outcome", "")
+    if outcome in PASSING:
+        head = f"compiled only; eager on {device} passes ({outcome})"
+    else:
+        why = eager.get("first_drift_op") or eager.get("unsupported_op") or eager.get("error_type") or ""
+        head = f"eager on {device} fails too ({outcome}{': ' + why if why else ''})"
+    return {"eager_outcome": outcome, "error_message": f"{head}; {compiled.get('error_message', '')}"[:2000]}
+
+
+class EagerRecheck:
+    """A compiled row that does not pass: the same step eagerly, on a fresh model (the compiled one may be
+    half-way through a failure, and a backend whose parameters move by swap_tensors refuses to move a
+    compiled module's again)."""
+
+    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
+        if not judged.cfg.compiled or out.get("outcome") in PASSING or out.get("device_fault"):
+            return None
+        return replace(judged, name="eager re-check", phase="eager", cfg=judged.cfg.eager(), source="fresh",
+                       extra=False, repro=False, localize=False, timed=False)
+
+    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
+        out.update(eager_message(out, fields, run.device))
+        return False
+
+
+CONFIRMED, UNCONFIRMED, HIDDEN = "confirmed", "unconfirmed", "hidden drift"
+
+
+class Confirmation:
+    """A ``pass_declared`` row, confirmed at the device's highest precision (see the module docstring)."""
+
+    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
+        if out.get("outcome") != "pass_declared" or run.settings.get("confirm") == "off":
+            return None
+        highest = run.adapter.confirm_settings(judged.settings)
+        if highest is None:
+            out.update(confirm=UNCONFIRMED, confirm_note=f"{run.adapter.kind} has no full-precision mode to "
+                       "confirm it at: the declared precision may hide a bug")
+            return None
+        if judged.cfg.amp:
+            out.update(confirm=UNCONFIRMED, confirm_note=f"--amp {judged.cfg.amp}: autocast rounds at every matmul "
+                       "precision, so no run is free of it to confirm at")
+            return None
+        declared = contract(run.adapter.declared_precision(highest))
+        if not declared.exact:
+            out.update(confirm=UNCONFIRMED, confirm_note=f"{run.adapter.kind} declares {declared.name} even at its "
+                       "highest precision: nothing to confirm it at")
+            return None
+        # An eager run's device model is left as it was (the step never changes it): run it again there.
+        return replace(judged, name=f"confirmation at {highest.get('precision', 'highest')} precision",
+                       phase="confirm", settings=highest, declared=declared,
+                       source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
+                       extra=False, timed=False)
+
+    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
+        return confirm_fields(out, fields, run.declared.name)
+
+
+def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) -> bool:
+    """The row after its confirmation run's fields (`confirm`) came in; True when the row's verdict is now
+    the confirmation's (a hidden drift, or the device failing under it)."""
+    outcome = confirm.get("outcome", "")
+    if confirm.get("device_fault"):  # the device failed: that is the row's news, whatever it passed before
+        out.clear()
+        out.update(confirm)
+        return True
+    if outcome in PASSING:
+        ratio = confirm.get("rmse_ratio")
+        out.update(confirm=CONFIRMED, confirm_note="within the fp32 envelope at the device's highest precision"
+                   + (f" (rmse ratio {ratio:.3g})" if isinstance(ratio, int | float) else ""))
+        return False
+    if outcome == "drift":
+        before = f"pass_declared at the declared {declared} precision" + "".join(
+            f", {label} {out[key]:.3g}" for key, label in (("rmse_ratio", "rmse ratio"), ("declared_ratio", "declared ratio"))
+            if isinstance(out.get(key), int | float))
+        kept = {k: v for k, v in out.items() if k not in confirm}  # what only the first run measured
+        out.clear()
+        out.update(kept, **confirm)
+        out.update(confirm=HIDDEN, confirm_note=before)
+        out["error_message"] = (f"the declared {declared} precision hid a drift: at the device's highest precision "
+                                f"the outputs are beyond the fp32 envelope; {confirm.get('error_message', '')}"
+                                )[:2000]
+        return True
+    why = confirm.get("unsupported_op") or confirm.get("error_type") or outcome
+    out.update(confirm=UNCONFIRMED, confirm_note=f"the run at the device's highest precision did not finish "
+               f"({outcome}: {why}): {str(confirm.get('error_message', ''))[:300]}")
+    return False
+
+
+FOLLOW_UPS: tuple[FollowUp, ...] = (EagerRecheck(),)
