@@ -38,6 +38,7 @@ _VERDICT_FIELDS = [
     ("compiled", None),
     ("graph breaks", None),
     ("contract", "contract"),
+    ("at full precision", None),
     ("rmse ratio (<=1 ok)", "rmse_ratio"),
     ("declared ratio (<=1 ok)", "declared_ratio"),
     ("max abs err", "max_abs_err"),
@@ -122,6 +123,8 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
                      f"(reference top-2 margin {margin:.3g}, declared envelope {envelope:.3g})"
                      if margin is not None and envelope is not None else "")
         return text
+    if label == "at full precision":  # the confirmation of a pass within the declared precision
+        return f"{row['confirm']}: {row.get('confirm_note', '')}" if row.get("confirm") else None
     if label == "compiled":
         return compile_summary(row) or None
     if label == "graph breaks":

@@ -114,7 +114,7 @@ class Adapter:
             )
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
-                           "mode", "new_tokens", "cache", "compile", "dynamic", "amp", *self.options):
+                           "mode", "new_tokens", "cache", "compile", "dynamic", "amp", "confirm", *self.options):
                 raise ValueError(f"--{key} is not an option of the {self.kind} backend")
         if "amp" in out:
             import torch
@@ -136,8 +136,18 @@ class Adapter:
         those only the target run sees (the matmul precision `apply` sets around it, the op check, --compile;
         the declared contract, --amp's included, enters the key on its own). A backend's own options stay in:
         an adapter that knows they touch only its device says so by overriding this."""
-        target_only = ("precision", "op_check", "declared_precision", "compile", "dynamic")
+        target_only = ("precision", "op_check", "declared_precision", "compile", "dynamic", "confirm")
         return {k: v for k, v in settings.items() if k not in target_only}
+
+    def confirm_settings(self, settings: dict[str, Any]) -> dict[str, Any] | None:
+        """The settings that run this device at its highest precision, where a pass within the declared
+        precision is confirmed (`harness.run.variants.Confirmation`), or None where it has no such mode.
+        Generic: torch's float32 matmul precision at ``highest``, the declared contract then the backend's
+        own (a contract the user declared is the default precision's). A backend whose full-precision mode is
+        another switch overrides this (and `declared_precision` for it)."""
+        if "highest" not in self.precisions:
+            return None
+        return {**{k: v for k, v in settings.items() if k != "declared_precision"}, "precision": "highest"}
 
     def repro_setup(self, settings: dict[str, Any]) -> list[str]:
         """Python lines a standalone repro runs after importing torch and the backend, to apply `settings`."""

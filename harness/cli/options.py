@@ -53,6 +53,10 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--declared-precision", default=None, metavar="CONTRACT",
                    help="numerics contract the target declares: fp32 (default for other backends), tf32, bf16-matmul, "
                         "fp16-matmul; sim declares bf16-matmul at --precision default, fp32 at highest")
+    p.add_argument("--confirm", default="on", choices=["on", "off"],
+                   help="a pass within the declared precision only (pass_declared) runs once more at the device's "
+                        "highest precision, judged by the fp32 rule: a bug the declared rounding hid is a drift "
+                        "(default on; off: skip it, part of the run's identity)")
     p.add_argument("--numerics-bug", dest="numerics", default=None, metavar="KINDS",
                    help="sim: plant quiet kernel bugs (bf16-accumulate, softmax-no-max, approx-exp, gelu-mixup, "
                         "grad-scale, cache-off-by-one; comma-separated) to see the verdict catch them")

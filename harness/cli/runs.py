@@ -43,6 +43,8 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     options.update(_generate_options(args))
     if args.op_check != "auto":
         options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
+    if args.confirm == "off":
+        options["confirm"] = "off"  # pass_declared rows not confirmed: part of its identity
     from harness.run.compiled import check
 
     check(options)  # --compile, --dynamic, --amp: before the backend's own checks read them
@@ -214,6 +216,10 @@ def cmd_run(args: argparse.Namespace) -> int:
              if summary.resumed_skipped else f" in {summary.wall_s:.1f}s"), file=human)
     print(headline_line(counts), file=human)
     print(outcome_table(counts, done), file=human)
+    if summary.confirmed:  # pass_declared rows, run again at full precision
+        c = summary.confirmed
+        print(f"  at full precision: {c.get('confirmed', 0)} pass_declared confirmed, {c.get('unconfirmed', 0)} "
+              f"unconfirmed, {c.get('hidden drift', 0)} drift(s) the declared precision hid", file=human)
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())),
               file=human)

@@ -53,6 +53,7 @@ class RunSummary:
     run_counts: dict[str, int] = field(default_factory=dict)  # outcome -> rows of the whole run (resumes too)
     never_worked: str = ""  # why the target never ran a model, when it did not
     workers_started: int = 0  # worker processes (Ray: actors) started, replacements included
+    confirmed: dict[str, int] = field(default_factory=dict)  # confirmation at full precision -> rows of the run
 
     @property
     def rows_written(self) -> int:
@@ -432,6 +433,7 @@ class _Run:
         unfinished = len(self.queue) + self.pending
         if unfinished == 0:
             self.store.finish_run(self.run_id)
+        rows = self.store.results(self.run_id)
         return RunSummary(
             run_id=self.run_id,
             db_path=str(self.store.path),
@@ -446,7 +448,8 @@ class _Run:
             resumed_run=self.resumed_run,
             with_fallback={k: v for k, v in self.with_fallback.items() if v},
             reruns=dict(self.rerun_stats),
-            run_counts={str(k): int(v) for k, v in self.store.results(self.run_id)["outcome"].value_counts().items()},
+            run_counts={str(k): int(v) for k, v in rows["outcome"].value_counts().items()},
+            confirmed={str(k): int(v) for k, v in rows["confirm"].value_counts().items() if k},
             never_worked=self._never_worked(),
             workers_started=self.pool.started,
         )

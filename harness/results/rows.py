@@ -22,10 +22,11 @@ from typing import Any
 
 # The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
-# the cache has {"s": 0, "cached": true}). `eager`: a compiled row that did not pass, run again eagerly;
+# the cache has {"s": 0, "cached": true}). `confirm`: a pass within the declared precision, run again at the
+# device's highest; `eager`: a compiled row that did not pass, run again eagerly;
 # `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
-PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "eager",
-          "perf")
+PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "confirm",
+          "eager", "perf")
 COMPILE_PHASE = "compile"
 
 
@@ -90,6 +91,9 @@ class Measurement:
     rmse_ratio: float | None = None  # worst output's error / the fp32 envelope (> 1: outside it)
     declared_ratio: float | None = None  # ... / the declared-precision envelope (> 1: drift)
     contract: str = ""  # the numerics contract the target declared (fp32, bf16-matmul, ...)
+    # the confirmation of a pass within the declared precision at the device's highest (harness.run.variants):
+    confirm: str = ""  # confirmed, unconfirmed (could not: confirm_note says why), hidden drift; "" not asked
+    confirm_note: str = ""  # what the confirmation found, or why there was none
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model

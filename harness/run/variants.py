@@ -160,4 +160,4 @@ def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) 
     return False
 
 
-FOLLOW_UPS: tuple[FollowUp, ...] = (EagerRecheck(),)
+FOLLOW_UPS: tuple[FollowUp, ...] = (Confirmation(), EagerRecheck())

@@ -1,0 +1,65 @@
+"""Quiet bugs planted from outside the harness, as a backend's own Python code would carry them.
+
+Loaded in every worker with ``--backend planted_bugs`` (this directory on PYTHONPATH); which bug and how
+big comes from the environment, so the harness knows nothing of it (unlike sim's ``--numerics-bug``, which
+lives in sim's kernels where the op check sees it directly):
+
+- ``PLANTED_BUG=layer_norm:EPS``: `torch.nn.functional.layer_norm` on any non-CPU device returns its
+  result scaled by (1 + EPS): a normalization layer slightly off, the size of bf16 rounding or below.
+- ``PLANTED_BUG=kv_cache:EPS:STEP``: transformers' KV cache layers, on any non-CPU device, store the
+  values of decoding step STEP and later scaled by (1 + EPS) (step 0 is the prompt's forward).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+
+def _plant_layer_norm(off: float) -> Callable[[], None]:
+    clean = torch.nn.functional.layer_norm
+
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # torch's signature
+        out = clean(input, normalized_shape, weight, bias, eps)
+        return out * (1 + off) if input.device.type != "cpu" else out
+
+    torch.nn.functional.layer_norm = layer_norm
+    return lambda: setattr(torch.nn.functional, "layer_norm", clean)
+
+
+def _plant_kv_cache(off: float, step: int) -> Callable[[], None]:
+    from transformers import cache_utils
+
+    undo = []
+    for name in ("DynamicLayer", "StaticLayer", "DynamicSlidingWindowLayer", "StaticSlidingWindowLayer"):
+        cls = getattr(cache_utils, name, None)
+        if cls is None or "update" not in vars(cls):
+            continue
+        clean = cls.update
+
+        def update(self, key_states, value_states, *args, _clean=clean, **kwargs):
+            calls = self.__dict__.get("_planted_calls", 0)  # one call per forward: the decoding step
+            self.__dict__["_planted_calls"] = calls + 1
+            if calls >= step and value_states.device.type != "cpu":
+                value_states = value_states * (1 + off)
+            return _clean(self, key_states, value_states, *args, **kwargs)
+
+        cls.update = update
+        undo.append((cls, clean))
+    return lambda: [setattr(cls, "update", clean) for cls, clean in undo] and None
+
+
+def plant(spec: str) -> Callable[[], None]:
+    """Plant the bug `spec` names in this process; returns what takes it out again."""
+    kind, *args = spec.split(":")
+    if kind == "layer_norm":
+        return _plant_layer_norm(float(args[0]))
+    if kind == "kv_cache":
+        return _plant_kv_cache(float(args[0]), int(args[1]))
+    raise ValueError(f"PLANTED_BUG={spec!r}: layer_norm:EPS or kv_cache:EPS:STEP")
+
+
+if os.environ.get("PLANTED_BUG"):
+    plant(os.environ["PLANTED_BUG"])
