@@ -53,6 +53,17 @@ def run(spec: str, lst: str, extra: list[str], label: str, options: list[str], o
     return {m: (o, s, cf or "") for m, o, s, cf in rows}, wall
 
 
+def caught(rows: dict[str, tuple[str, int | None, str]], affected: set[str], step: int | None) -> str:
+    """How many affected models a run caught (and at which first step), and any other drift it had."""
+    drift = [m for m in affected if rows.get(m, ("",))[0] == "drift"]
+    text = f"{len(drift)} of {len(affected)}"
+    if step is not None:
+        steps = Counter(rows[m][1] for m in drift)
+        text += " (first step " + ", ".join(f"{k}: {n}" for k, n in sorted(steps.items(), key=str)) + ")"
+    others = [m for m, (o, _, _) in rows.items() if o == "drift" and m not in affected]
+    return text + (f"; {len(others)} drift not at highest: {', '.join(sorted(others)[:4])}" if others else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -74,18 +85,8 @@ def main() -> int:
         affected = {m for m, (o, _, _) in results["highest"].items() if o == "drift"}
         step = int(spec.split(":")[2]) if spec.startswith("kv_cache") else None
 
-        def caught(label: str) -> str:
-            rows = results[label]
-            drift = [m for m in affected if rows.get(m, ("",))[0] == "drift"]
-            text = f"{len(drift)} of {len(affected)}"
-            if step is not None:
-                steps = Counter(rows[m][1] for m in drift)
-                text += " (first step " + ", ".join(f"{k}: {n}" for k, n in sorted(steps.items(), key=str)) + ")"
-            others = [m for m, (o, _, _) in rows.items() if o == "drift" and m not in affected]
-            return text + (f"; {len(others)} drift not at highest: {', '.join(sorted(others)[:4])}" if others else "")
-
-        print(f"| {spec} | {lst} {' '.join(extra)} | {len(affected)} | {caught('highest')} | "
-              f"{caught('default, --confirm off')} | {caught('default, confirmed')} | {' / '.join(walls)} |")
+        print(f"| {spec} | {lst} {' '.join(extra)} | {len(affected)} | "
+              + " | ".join(caught(results[label], affected, step) for label in RUNS) + f" | {' / '.join(walls)} |")
         hidden = Counter(c for _, _, c in results["default, confirmed"].values() if c)
         print(f"|  | confirm field at default: {dict(hidden)} | | | | | |")
     return 0
