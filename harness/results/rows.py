@@ -93,6 +93,7 @@ class Measurement:
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model
+    device_unreachable: bool = False  # ... its client could not reach it at all (connection refused)
     fallback_ops: dict = field(default_factory=dict)  # op -> calls that ran on the CPU instead of the target
     native_ops: list = field(default_factory=list)  # ops the target ran itself (when its backend reports them)
     op_census: bool = False  # whether the backend reported fallback/native ops at all

@@ -52,7 +52,8 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
             base["error_type"] = type(fault).__name__
             base["error_message"] = (f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: "
                                      f"{str(exc)[:300]})")[:2000]
-        return {"outcome": "device_error", "device_fault": True, **base}
+        return {"outcome": "device_error", "device_fault": True, "device_unreachable": adapter.unreachable(exc, stage),
+                **base}
     if capped() and import_failure(exc):
         return {"outcome": "load_fail", **base, "error_type": CAP_TOO_SMALL}
     links = chain(exc)
