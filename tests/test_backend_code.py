@@ -194,3 +194,58 @@ def test_the_toy_backend_is_found_in_both_shapes(toy_python, tmp_path) -> None:
         assert (kind, file) == (("module", None) if synthetic == "1" else ("_DeviceModule", None))
         assert packages == by_module == by_registrar == ["npu_toy"], (synthetic, out.stdout)
 
+
+# -- while compiling (issue 32.4): which party refused or raised what ---------------------------------
+
+REFUSED = "prims::device_put.default is not an aten op: the npu backend runs aten ops only"
+PASSES_FILE = ("torch._inductor.fx_passes.joint_graph", "/site/torch/_inductor/fx_passes/joint_graph.py")
+AOT_FILE = ("torch._functorch.aot_autograd", "/site/torch/_functorch/aot_autograd.py")
+
+
+def _compile_error(caller: tuple[str, str], raiser: tuple[str, str], exc: BaseException) -> BaseException:
+    """What Dynamo raises when a compiler stage (`caller`'s file) runs code (`raiser`'s) that raises `exc`."""
+    import torch
+
+    run = _fn(*raiser, "def f(exc):\n    raise exc\n")
+    stage = _fn(*caller, "def f(run, exc):\n    run(exc)\n")
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
+        stage(run, exc)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.randn(3))
+    except Exception as e:
+        return e
+    raise AssertionError("compiled without an error")
+
+
+COMPILING = [
+    ("Inductor's graph passes run a node on the device, whose code raises", PASSES_FILE, BACKEND,
+     AttributeError("'UntypedStorage' object has no attribute '_npu'"),
+     ("compile_fail", "", "Inductor graph passes", "raised in the npu backend's own code")),
+    ("the same error raised by the graph pass itself: the compiler's", PASSES_FILE, PASSES_FILE,
+     AttributeError("no attribute"), ("compile_fail", "", "Inductor graph passes", None)),
+    ("a tensor-subclass backend refuses an op AOT traced", AOT_FILE, BACKEND, NotImplementedError(REFUSED),
+     ("unsupported_op", "prims::device_put", "AOT/functionalization",
+      "the npu backend refused prims::device_put while the compiler ran it (AOT/functionalization)")),
+    ("the same words from torch itself are nobody's missing op", AOT_FILE,
+     ("torch._subclasses.fake_tensor", "/site/torch/_subclasses/fake_tensor.py"), NotImplementedError(REFUSED),
+     ("compile_fail", "", "AOT/functionalization", None)),
+    ("a missing kernel the device reports while Inductor's passes run it", PASSES_FILE, BACKEND,
+     NotImplementedError("Could not run 'aten::_fused_sdp_choice' with arguments from the 'npu' backend"),
+     ("unsupported_op", "aten::_fused_sdp_choice", "Inductor graph passes", "the npu backend refused")),
+]
+
+
+@pytest.mark.parametrize("case", COMPILING, ids=[c[0] for c in COMPILING])
+def test_what_the_backend_refuses_or_raises_while_compiling(case, toy_code) -> None:
+    _name, caller, raiser, exc, (outcome, op, stage, said) = case
+    fields = classify_exception(_compile_error(caller, raiser, exc), adapter_for("npu"))
+    assert (fields["outcome"], fields.get("unsupported_op", ""), fields["compile_stage"]) == (outcome, op, stage)
+    if said is None:
+        assert "backend's own code" not in fields["error_message"] and "refused" not in fields["error_message"]
+    else:
+        assert said in fields["error_message"], fields["error_message"][:300]
+    assert "_backend_raised" not in fields

@@ -321,11 +321,16 @@ class Adapter:
     def parse_missing_op(self, exc: BaseException) -> errors.MissingOp | None:
         """The op (and dtype) `exc` says this backend lacks, or None for any other error. A dispatcher
         message naming another backend counts when the backend's own code relayed it (a remote
-        executor that could not run the op it was asked to)."""
+        executor that could not run the op it was asked to), as does a refusal only a backend makes
+        ("prims::device_put ... is not an aten op"): read from the link of the chain its code raised (a
+        compiler wraps it)."""
         if not isinstance(exc, NotImplementedError | RuntimeError | ValueError | TypeError):
             return None
-        message = str(exc)
-        missing = errors.parse_missing_op(message, self.kind)
-        if missing is None and "Could not run" in message and self.raised_by_backend(exc):
-            missing = errors.parse_missing_op(message, self.kind, relayed=True)
+        missing = errors.parse_missing_op(str(exc), self.kind)
+        if missing is None:
+            for link in errors.chain(exc):
+                if self.raised_by_backend(link):
+                    missing = errors.parse_missing_op(str(link), self.kind, relayed=True)
+                    if missing is not None:
+                        break
         return missing
