@@ -167,11 +167,19 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
             out.update(stop.fields)
     if out.get("outcome") in PASSING or out.get("device_fault"):
         return
-    if not keep_cpu:
-        uncompile(model)  # it went to the device in place
+    if not keep_cpu:  # it went to the device in place
+        uncompile(model)
     eager: dict[str, Any] = {}
     with clock.phase("eager"):
         try:
+            if not keep_cpu and params <= COPY_MAX_PARAMS:
+                # A model a run without the cache would have copied: the re-check gets a fresh one, as that
+                # run's does. The compiled one may stay held (Dynamo's fake tensors keep weak references to
+                # its parameters: a backend that moves them by swap_tensors refuses to move them again).
+                try:
+                    model = _reloaded(entry, task, side)
+                except Exception as e:  # loading seeds the device: a device lost meanwhile fails here
+                    raise Stop(classify_exception(e, adapter, "load")) from None
             target = target_side(model, side.plan, device, adapter, task.settings, task.seed,
                                  _judge(device, declared, task.settings.get("op_check", "auto"), params),
                                  copy_model=keep_cpu, cfg=cfg.eager())
@@ -179,6 +187,9 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
                      eager)
         except Stop as stop:
             eager.update(stop.fields)
+    if eager.get("device_fault"):  # the device failed under the re-check: the row is the device's
+        out.update(eager)
+        return
     out.update(eager_message(out, eager, device))
 
 
@@ -272,12 +283,17 @@ def _cpu_models(entry: ModelEntry, task: Task, side: ReferenceSide, model: torch
     and its fp64 copy where the oracle was one: what a run without the cache keeps for localization,
     rebuilt for a drift whose reference side came from the cache."""
     if model is None:
-        loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
-                            dtype=task.settings.get("dtype"))
-        model = loaded.model
-        inputs = make_inputs(model, loaded.config, entry, seed=task.seed)
-        mode_for(task.settings).rebuild(model, loaded, entry, inputs, task.seed, side.plan.fields)
+        model = _reloaded(entry, task, side)
     return model, copy.deepcopy(model).double() if side.oracle_rule == "fp64-copy" else None
+
+
+def _reloaded(entry: ModelEntry, task: Task, side: ReferenceSide) -> torch.nn.Module:
+    """The CPU model loaded again, prepared as its plan prepares it."""
+    loaded = load_model(entry, seed=task.seed, attn_implementation=task.settings.get("attn"),
+                        dtype=task.settings.get("dtype"))
+    inputs = make_inputs(loaded.model, loaded.config, entry, seed=task.seed)
+    mode_for(task.settings).rebuild(loaded.model, loaded, entry, inputs, task.seed, side.plan.fields)
+    return loaded.model
 
 
 def _perf(plan, cpu_model, target, device, adapter, task) -> Callable[[], dict[str, Any]]:
