@@ -24,7 +24,8 @@ As rude as real hardware, each behaviour behind an environment variable (read wh
 - ``TOY_BROKEN_OPS=op:form,...``: kernels that fail, each with one real backend's wording (`FORMS`):
   ``cannot`` ("toy cannot run aten.X.default yet"), ``remote`` (a remote executor relaying "Could not
   run 'aten::X' with arguments from the 'CPU' backend"), ``bare`` ("op add is not implemented"),
-  ``dtype`` ("kernel mul does not support dtype 'Int'"), or ``shape`` (computes, but returns the
+  ``dtype`` ("kernel mul does not support dtype 'Int'"), ``kernel`` ("aten::histc: \"histc_cpu\" not
+  implemented for 'Int'": the op, then its kernel's words), or ``shape`` (computes, but returns the
   second and later outputs of a multi-output op one dimension short: a wrong-shape kernel);
 - ``TOY_FAULT=segv`` / ``hang``: every compute kernel kills the process with SIGSEGV / sleeps
   ``TOY_HANG_S`` seconds (an hour by default): a dying or hanging device;
@@ -66,7 +67,7 @@ _registered = False
 _late: list[BaseException] = []  # the first failed kernel's error, raised at the next synchronizing call
 _local: Executor | None = None
 _client: Any = None
-FORMS = ("cannot", "remote", "bare", "dtype", "shape")
+FORMS = ("cannot", "remote", "bare", "dtype", "kernel", "shape")
 _SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
                  torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.int8: "Char", torch.uint8: "Byte"}
 
@@ -171,9 +172,12 @@ def _broken_error(op, form: str, args) -> Exception:
                             "selective/custom build process (if using custom build).")
     if form == "bare":
         return NotImplementedError(f"toy runtime: op {name} is not implemented")
+    first = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
+    dtype = _SCALAR_NAMES.get(first, str(first))
     if form == "dtype":
-        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
-        return RuntimeError(f"toy: kernel {name} does not support dtype '{_SCALAR_NAMES.get(dtype, str(dtype))}'")
+        return RuntimeError(f"toy: kernel {name} does not support dtype '{dtype}'")
+    if form == "kernel":  # the ATen op, then its CPU kernel's own words (a remote executor's AT_DISPATCH)
+        return RuntimeError(f"aten::{name}: \"{name}_cpu\" not implemented for '{dtype}'")
     return NotImplementedError(f"toy cannot run aten.{name}.{op._overloadname} yet: planned for a later release")
 
 
