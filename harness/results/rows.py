@@ -120,7 +120,8 @@ class Measurement:
     ref_key: str = ""  # its reference-cache key
 
     # --compile (harness.run.configs): what compiling made and cost, apart from the run's seconds
-    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
+    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization, Inductor graph passes or backend
+    # codegen; also an unsupported_op the backend refused while the compiler ran it
     compile_node: str = ""  # ... the op or graph node the compiler's error names
     graph_count: int | None = None  # graphs Dynamo compiled
     graph_breaks: int | None = None
