@@ -249,3 +249,23 @@ def test_what_the_backend_refuses_or_raises_while_compiling(case, toy_code) -> N
     else:
         assert said in fields["error_message"], fields["error_message"][:300]
     assert "_backend_raised" not in fields
+
+
+def test_a_device_fault_that_escapes_the_pipeline_is_still_the_devices(toy_code, monkeypatch) -> None:
+    """The worker's last resort (a harness bug) classifies with the target's adapter: a refused connection
+    from the backend's client is device_error there too, anything else a crash."""
+    from harness.fleet import worker
+
+    raised: list[BaseException] = []
+
+    def run_one(task, on_phase=None):  # noqa: ANN001, ANN202
+        on_phase("oracle")
+        raise raised[0]
+
+    monkeypatch.setattr(worker, "run_one", run_one)
+    payload = {"entry": {"id": "m", "source": "tiny", "arch": "bert", "task": "base"}, "target": "npu:0"}
+    raised[:] = [_raised(ConnectionRefusedError(111, "refused"), *BACKEND, wrap=False)]
+    m = worker.run_task(payload, "npu:0", host="h")
+    assert (m.outcome, m.device_fault, m.device_unreachable) == ("device_error", True, True)
+    raised[:] = [KeyError("a harness bug")]
+    assert worker.run_task(payload, "npu:0", host="h").outcome == "crash"
