@@ -202,16 +202,21 @@ PASSES_FILE = ("torch._inductor.fx_passes.joint_graph", "/site/torch/_inductor/f
 AOT_FILE = ("torch._functorch.aot_autograd", "/site/torch/_functorch/aot_autograd.py")
 
 
-def _compile_error(caller: tuple[str, str], raiser: tuple[str, str], exc: BaseException) -> BaseException:
+def _compile_error(caller: tuple[str, str] | None, raiser: tuple[str, str], exc: BaseException) -> BaseException:
     """What Dynamo raises when a compiler stage (`caller`'s file) runs code (`raiser`'s) that raises `exc`."""
     import torch
 
     run = _fn(*raiser, "def f(exc):\n    raise exc\n")
-    stage = _fn(*caller, "def f(run, exc):\n    run(exc)\n")
+    stage = _fn(*caller, "def f(run, exc):\n    run(exc)\n") if caller else None
 
     def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
         stage(run, exc)
         return gm.forward
+
+    if stage is None:  # no compiler stage: the backend's own package holds the compiler Dynamo calls
+        scope = {"__name__": raiser[0], "exc": exc}
+        exec(compile("def backend(gm, inputs):\n    raise exc\n", raiser[1], "exec"), scope)
+        backend = scope["backend"]
 
     torch._dynamo.reset()
     try:
@@ -230,6 +235,8 @@ COMPILING = [
     ("a tensor-subclass backend refuses an op AOT traced", AOT_FILE, BACKEND, NotImplementedError(REFUSED),
      ("unsupported_op", "prims::device_put", "AOT/functionalization",
       "the npu backend refused prims::device_put while the compiler ran it (AOT/functionalization)")),
+    ("a vendor's compiler in the backend's own package raises: its codegen, not the device", None, BACKEND,
+     NotImplementedError("no kernel template for this node"), ("compile_fail", "", "backend codegen", None)),
     ("the same words from torch itself are nobody's missing op", AOT_FILE,
      ("torch._subclasses.fake_tensor", "/site/torch/_subclasses/fake_tensor.py"), NotImplementedError(REFUSED),
      ("compile_fail", "", "AOT/functionalization", None)),

@@ -134,7 +134,7 @@ def _stage(inner: BaseException, adapter: Adapter | None = None) -> tuple[str, b
             return AOT, raised
         if "/torch/" not in name and not name.startswith("<"):
             return BACKEND, raised  # a backend outside torch (a vendor's compiler)
-    return BACKEND, raised
+    return BACKEND, False  # no compiler frame above the backend's code: its own compiler (a vendor's) raised
 
 
 def compile_failure(exc: BaseException, adapter: Adapter | None = None) -> dict[str, Any] | None:
