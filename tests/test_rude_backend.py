@@ -314,7 +314,7 @@ def test_compiled_rows_say_the_same_without_the_cache_filling_it_and_warm(toy_py
         python, env = toy_python, {"TOY_SUBCLASS_PARAMS": "1", "TOY_BROKEN_OPS": "native_layer_norm:cannot"}
         args, device = ["--target", "toy", "--compile", "inductor"], "toy:0"
     else:
-        python, env, args, device = Path(sys.executable), {}, ["--target", "sim", "--compile", "aot_eager"], "sim:0"
+        python, env, args, device = Path(sys.executable), {}, ["--target", "sim", "--compile", "eager"], "sim:0"
     lst = patho_list(tmp_path / "l.csv", patho)
     said = {}
     cache = ["--ref-cache", str(tmp_path / "ref-cache")]
