@@ -37,7 +37,7 @@ TABLE: tuple[Outcome, ...] = (
             device_side=True, retryable=True),
     Outcome("unsupported_op", 3, "#6a1b9a", "the target lacks an op (named in the row)"),
     Outcome("compile_fail", 5, "#ad1457", "--compile: tracing or compiling raised (the stage, Dynamo trace, "
-            "AOT/functionalization or backend codegen, and the op or node in the row)"),
+            "AOT/functionalization, Inductor graph passes or backend codegen, and the op or node in the row)"),
     Outcome("crash", 5, "#c62828", "the target run raised or its worker died", retryable=True),
     Outcome("timeout", 4, "#8d6e63", "the model ran past the time budget", retryable=True),
     Outcome("oom", 4, "#5d4037", "out of memory"),

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,8 +31,24 @@ from harness.run.memory import rss_mb
 PRELOAD = ["torch", "transformers", "harness.fleet.forkserver_guard"]
 
 
+def _short_socket_dir() -> None:
+    """The forkserver listens on a Unix socket in multiprocessing's temp directory, under $TMPDIR; a deep
+    one (a CI workspace, a test's tmp_path) would not fit a socket's 107 bytes ("AF_UNIX path too long"),
+    so multiprocessing's directory then goes under /tmp (it is made once per process and reused)."""
+    from multiprocessing import util
+
+    if len(os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")) < 100:
+        return
+    prev, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = prev
+
+
 def context(preload: Iterable[str] = PRELOAD) -> Any:
     """A forkserver context whose server has imported `preload` (started once per process)."""
+    _short_socket_dir()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     from multiprocessing import forkserver

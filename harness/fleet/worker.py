@@ -60,9 +60,9 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
     try:
         m = run_one(task, on_phase)
     except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
-        fields = classify_exception(e, stage=current[0])
-        m = Measurement(model_id=model_id, device=device,
-                        **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+        fields = classify_exception(e, adapter_for(device), stage=current[0])  # a device fault is still the device's
+        m = Measurement(model_id=model_id, device=device, **{
+            **fields, "outcome": fields["outcome"] if fields["outcome"] in ("oom", "device_error") else "crash"})
     finally:
         alone = quiet.end_job() if quiet is not None else True
     if not alone and m.perf:

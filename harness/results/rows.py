@@ -97,6 +97,7 @@ class Measurement:
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model
+    device_unreachable: bool = False  # ... its client could not reach it at all (connection refused)
     fallback_ops: dict = field(default_factory=dict)  # op -> calls that ran on the CPU instead of the target
     native_ops: list = field(default_factory=list)  # ops the target ran itself (when its backend reports them)
     op_census: bool = False  # whether the backend reported fallback/native ops at all
@@ -123,7 +124,8 @@ class Measurement:
     ref_key: str = ""  # its reference-cache key
 
     # --compile (harness.run.compiled): what compiling made and cost, apart from the run's seconds
-    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
+    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization, Inductor graph passes or backend
+    # codegen; also an unsupported_op the backend refused while the compiler ran it
     compile_node: str = ""  # ... the op or graph node the compiler's error names
     graph_count: int | None = None  # graphs Dynamo compiled
     graph_breaks: int | None = None

@@ -156,9 +156,13 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
 def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[], float]], profile: Step | None,
            activity: Any, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
            perf: dict[str, Any], fields: dict[str, Any]) -> None:
+    peak_kept = peak_mb is not None
+    if peak_kept and reset_peak is not None:
+        try:  # peak memory is optional: a backend without statistics still has its timing
+            peak_kept = reset_peak() is not False
+        except Exception as e:
+            peak_kept, perf["peak_mem_error"] = False, _error(e)
     try:
-        if reset_peak is not None:
-            reset_peak()
         clocks = {clock[0]: clock[1], "wall": time.perf_counter}
         samples = time_rounds(steps, budget_s, clocks=clocks)
         perf.update(summaries(samples[clock[0]]))
@@ -166,11 +170,14 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
         if clock[0] != "wall":
             perf["wall"] = summaries(samples["wall"])
         fields.update(_headline(perf, len(next(iter(samples[clock[0]].values()), []))))
-        if peak_mb is not None:
-            peak = peak_mb()
-            fields["perf_peak_mem_mb"] = None if peak is None else round(peak, 2)
     except Exception as e:  # speed is diagnostics: the verdict stands
         perf["error"] = _error(e)
+    if peak_kept:
+        try:
+            peak = peak_mb()
+            fields["perf_peak_mem_mb"] = None if peak is None else round(peak, 2)
+        except Exception as e:
+            perf["peak_mem_error"] = _error(e)
     if profile is not None and "error" not in perf:
         try:
             perf["profile"] = op_profile(profile, activity, rounds=profile_rounds(fields.get("perf_target_s"), budget_s))

@@ -115,6 +115,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
     # reference side needs no CPU copy for localization: the rare drift rebuilds it (`ModelRun.cpu_models`).
     params = n_params(run.model)
+    run.small = params <= COPY_MAX_PARAMS
     run.localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
     run.keep_cpu = mode.keeps_cpu_model or (
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
@@ -248,7 +249,7 @@ def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:
     how = run.settings.get("op_check", "auto")
     if how == "off" or not variant.op_check:
         return None
-    sampled = how == "sampled" or (how == "auto" and n_params(run.model) > COPY_MAX_PARAMS)
+    sampled = how == "sampled" or (how == "auto" and not run.small)
     return OpCheck(torch.device(run.device).type, variant.declared, per_signature=OP_SAMPLE if sampled else None)
 
 

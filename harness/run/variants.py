@@ -92,6 +92,9 @@ class EagerRecheck:
                        extra=False, repro=False, localize=False, timed=False)
 
     def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
+        if fields.get("device_fault"):  # the device failed under the re-check: the row is the device's
+            out.update(fields)
+            return True
         out.update(eager_message(out, fields, run.device))
         return False
 
@@ -134,7 +137,6 @@ def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) 
     the confirmation's (a hidden drift, or the device failing under it)."""
     outcome = confirm.get("outcome", "")
     if confirm.get("device_fault"):  # the device failed: that is the row's news, whatever it passed before
-        out.clear()
         out.update(confirm)
         return True
     if outcome in PASSING:
