@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from harness.outcomes import output_judgement
 from harness.report.svg import as_number, svg_steps
 from harness.results.rows import output_step
 
@@ -46,7 +47,7 @@ def decoding_view(r: dict[str, Any]) -> dict[str, Any] | None:
     for name, m in metrics.items():
         k = output_step(str(name))
         if k is not None and isinstance(m, dict):
-            steps.append((k, as_number(m.get("rmse_ratio")), as_number(m.get("declared_ratio"))))
+            steps.append((k, as_number(m.get("rmse_ratio")), as_number(m.get("declared_ratio")), output_judgement(m)))
     steps.sort(key=lambda s: s[0])
     first_drift = _int(r.get("first_drift_step"))
     first_div = _int(r.get("first_divergent_step"))

@@ -16,7 +16,7 @@ import pandas as pd
 
 from harness.analysis.diff import DiffResult
 from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
+from harness.outcomes import JUDGEMENT_OUTCOME, NOT_THE_MODELS, OUTCOMES, headline, output_judgement
 from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
@@ -176,8 +176,10 @@ _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "dur
 _FIELDS = ("arch", "task", "modality", "device", "host", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
            "signal", "loss_kind", "first_drift_param", "compile_stage", "compile_node", "eager_outcome",
            "amp_step_skipped")
-_NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine", "grad_worst_ratio",
-            "grad_norm_ratio", "loss_delta")
+_NUMBERS = (("rmse_ratio", "fp32 ratio (worst output; <= 1 within fp32)"),
+            ("declared_ratio", "declared ratio (worst output; <= 1 within declared)"), ("max_abs_err", "max abs err"),
+            ("max_rel_err", "max rel err"), ("min_cosine", "min cosine"), ("grad_worst_ratio", "worst gradient ratio"),
+            ("grad_norm_ratio", "gradient norm ratio"), ("loss_delta", "loss delta"))
 _TIMINGS = (
     ("load (s)", "load_time_s"),
     ("reference (s)", "ref_time_s"),
@@ -189,16 +191,22 @@ _TIMINGS = (
 
 
 def _output_view(name: str, m: Any) -> dict[str, Any]:
-    """One output's comparison metrics; a bare value (older rows) is shown as ``value``."""
+    """One output's comparison metrics, judged as the row is (`harness.outcomes.output_judgement`: within fp32,
+    within declared, beyond); a bare value (older rows) is shown as ``value``."""
     m = m if isinstance(m, dict) else {"value": m}
     shape = m.get("shape")
+    judgement = output_judgement(m)
     return {
         "name": name,
+        "judgement": judgement,
+        "chip": JUDGEMENT_OUTCOME.get(judgement, ""),
         "rmse_target": fmt(m.get("rmse_target")),
         "rmse_ref": fmt(m.get("rmse_ref")),
         "bound": fmt(m.get("bound")),
         "ratio": fmt(m.get("rmse_ratio")),
-        "drifts": (as_number(m.get("rmse_ratio")) or 0) > 1,
+        "declared_bound": fmt(m.get("declared_bound")),
+        "declared_ratio": fmt(m.get("declared_ratio")),
+        "beyond": judgement == "beyond",
         "nonfinite": bool(m.get("nonfinite")),
         "note": _text(m.get("note")),
         "cosine": fmt(m.get("cosine"), 9),
@@ -208,6 +216,23 @@ def _output_view(name: str, m: Any) -> dict[str, Any]:
         "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else _text(shape),
         "dtype": _text(m.get("dtype")),
     }
+
+
+def _cosine_note(key: str, metrics: Any) -> str:
+    """Beside the row's min cosine: the output it is from, and why a near-zero gradient's cosine means nothing."""
+    if key != "min_cosine" or not isinstance(metrics, dict):
+        return ""
+    cosines = {k: c for k, m in metrics.items() if isinstance(m, dict) and (c := as_number(m.get("cosine"))) is not None}
+    if not cosines:
+        return ""
+    name = min(cosines, key=lambda k: cosines[k])
+    if cosines[name] >= 0.99:  # nothing to explain
+        return ""
+    m = metrics[name]
+    if m.get("near_zero") and output_judgement(m) != "beyond":
+        return (f" ({name}: near zero, below its family's noise floor: its cosine compares rounding noise and "
+                f"means nothing; the rmse rule judges it {output_judgement(m)})")
+    return f" ({name})"
 
 
 def _attempts_view(attempts: Any) -> tuple[list[dict[str, str]], list[str]]:
@@ -281,8 +306,8 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "contract": _text(r.get("contract")),
         "drift_module_type": _text(r.get("first_drift_module_type")),
         "numbers": [
-            (key, fmt(r.get(key), 9 if key == "min_cosine" else 3))
-            for key in _NUMBERS
+            (label, fmt(r.get(key), 9 if key == "min_cosine" else 3) + _cosine_note(key, metrics))
+            for key, label in _NUMBERS
             if as_number(r.get(key)) is not None
         ],
         "error_message": _text(r.get("error_message")),
