@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.outcomes import BEYOND, BY_NAME, DEVICE_SIDE, JUDGEMENTS, OUTCOMES, headline, output_judgement
-from harness.results.rows import PHASES, compile_summary
+from harness.results.rows import PHASES, compile_summary, round_floats
 
 SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
 
@@ -85,7 +85,7 @@ def _derived(label: str, row: dict[str, Any]) -> Any:
     if label == "settings":
         return " ".join(f"{k}={v}" for k, v in sorted((row.get("settings") or {}).items()))
     if label == "error":
-        parts = [row.get("error_type") or "", row.get("error_message") or ""]
+        parts = [row.get("error_type") or "", round_floats(row.get("error_message") or "")]
         return ": ".join(p for p in parts if p) or None
     if label == "unsupported op":
         op, dtype = row.get("unsupported_op"), row.get("unsupported_dtype")
@@ -277,9 +277,11 @@ def print_frame(title: str, df: pd.DataFrame) -> None:
     for col in frame.columns:
         table.add_column(Text(terminal_text(str(col))),
                          justify="right" if pd.api.types.is_numeric_dtype(frame[col]) else "left")
+    pct = [str(c).endswith("%") for c in frame.columns]  # percentages (0-100) print as 85.0%, as the report does
     for rec in frame.itertuples(index=False):  # Text: a '[red]' in a model id is not rich markup
-        table.add_row(*(Text("" if v is None or (isinstance(v, float) and math.isnan(v)) else terminal_text(str(v)))
-                        for v in rec))
+        table.add_row(*(Text("" if v is None or (isinstance(v, float) and math.isnan(v))
+                             else f"{v:.1f}%" if p and isinstance(v, int | float) else terminal_text(str(v)))
+                        for v, p in zip(rec, pct, strict=True)))
     console.print(table)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +318,29 @@ def _nightly_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_groups)
 
+
+
+@functools.cache
+def _check_options() -> dict[str, argparse.Action]:
+    """`check`'s options by destination (a run's settings are keyed by them), the first spelling of each."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    out: dict[str, argparse.Action] = {}
+    for action in sub.choices["check"]._actions:
+        if action.option_strings:
+            out.setdefault(action.dest, action)
+    return out
+
+
+def check_command(model_id: str, target: str, settings: dict[str, Any]) -> str:
+    """The `portharness check` command line that reproduces one row: its model, target and settings, each
+    setting spelled as the option that set it (values equal to the option's default left out)."""
+    parts = ["portharness", "check", model_id, "--target", target]
+    options = _check_options()
+    for key, value in sorted((settings or {}).items()):
+        action = options.get(key)
+        flag = action.option_strings[0] if action is not None else f"--{key.replace('_', '-')}"
+        if action is not None and action.nargs == 0:  # a switch (--dynamic)
+            parts += [flag] if value and value != action.default else []
+        elif action is None or str(value) != str(action.default):
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)

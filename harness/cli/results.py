@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+RATE_LABELS = {"ran_pct": "ran %", "matched_pct": "matched %", "pass_pct": "pass %"}  # columns as printed
+
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
@@ -24,8 +26,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     print_frame("matrix", mat)
     if args.by:
         rates = mx.pass_rates(df, args.by)
-        empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
-        print_frame(f"pass rate by {args.by}", rates.drop(columns=empty))
+        empty = [o for o in OUTCOMES if o in rates and not rates[o].any()]
+        print_frame(f"ran % and numerics matched % by {args.by} (pass % = fp32-exact)",
+                    rates.drop(columns=empty).rename(columns=RATE_LABELS))
     if args.ops:
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
     speed = mx.perf_summary(df)

@@ -200,12 +200,15 @@ def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 
 
 
 def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 26) -> Markup:
-    """One stacked bar of outcome counts (SVG so no inline styles are needed)."""
+    """One stacked bar of outcome counts (SVG so no inline styles are needed), what works first; a segment
+    wide enough carries its outcome and count as a label (the page's legend names every segment)."""
     total = sum(counts.values())
     if not total:
         return Markup("")
     parts = [
-        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
+        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="outcomes: '
+        + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES[::-1] if counts.get(o)) + '">'
     ]
     x = 0.0
     for outcome in OUTCOMES[::-1]:
@@ -215,8 +218,11 @@ def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 2
         w = c / total * width
         parts.append(
             f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
-            f"<title>{outcome}: {c}</title></rect>"
+            f"<title>{outcome}: {c} ({c / total:.1%})</title></rect>"
         )
+        label = f"{outcome} {c}"
+        if w >= _label_px(label) + 10:
+            parts.append(f'<text class="seg" x="{x + 5:.2f}" y="{height / 2 + 4:.1f}">{label}</text>')
         x += w
     parts.append("</svg>")
     return Markup("".join(parts))

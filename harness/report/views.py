@@ -15,13 +15,13 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.diff import DiffResult
-from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import JUDGEMENT_OUTCOME, NOT_THE_MODELS, OUTCOMES, headline, output_judgement
+from harness.analysis.matrix import column_records, settings_label, with_config
+from harness.outcomes import JUDGEMENT_OUTCOME, OUTCOMES, output_judgement
 from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
-from harness.report.svg import as_number, svg_histogram, svg_outcome_bar
-from harness.results.rows import PHASES, compile_summary
+from harness.report.svg import as_number, svg_histogram
+from harness.results.rows import PHASES, compile_summary, round_floats
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -41,6 +41,11 @@ def _json_num(v: Any) -> float | str | None:
     if f is None or math.isfinite(f):
         return f
     return "Infinity" if f > 0 else "-Infinity"
+
+
+def op_anchor(op: str) -> str:
+    """The id of an op's row on the ops page (`ops.html#op-aten-sort.stable`): a model page links to it."""
+    return "op-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", op).strip("-")
 
 
 def fmt(v: Any, digits: int = 3) -> str:
@@ -81,7 +86,7 @@ def records(df: pd.DataFrame) -> list[dict[str, Any]]:
 # Every page's header, summary and drift pages
 # ----------------------------------------------------------------------------------------------
 
-_VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
+VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
 
 
 def run_view(run: dict[str, Any]) -> dict[str, Any]:
@@ -91,36 +96,6 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
         "run": {k: _text(v) for k, v in run.items() if k != "settings"},
         "run_settings": settings,
         "run_label": settings_label(run["target"], settings),
-    }
-
-
-def summary_view(
-    df: pd.DataFrame, runs: pd.DataFrame, configs: list[str], res: DiffResult | None
-) -> dict[str, Any]:
-    """The index page: outcome counts and pass rates of ``df``, all runs in the DB, the diff headline."""
-    counts = outcome_counts(df)
-    total = sum(counts.values())
-    # Load/reference failures say nothing about the target, so the target pass rate leaves them out.
-    not_ref = total - sum(counts[o] for o in NOT_THE_MODELS)
-    return {
-        "counts": counts,
-        "total": total,
-        "n_models": len(df["model_id"].unique()) if not df.empty else 0,
-        "pass_rate": (counts["pass"] / total) if total else None,
-        "headline": headline(counts),
-        "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
-        "outcome_bar": svg_outcome_bar(counts),
-        "row_versions": {
-            k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in _VERSION_KEYS
-        },
-        "rates": {
-            by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")
-        },
-        "runs": [{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
-        "configs": configs,
-        "diff": None
-        if res is None
-        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
     }
 
 
@@ -310,7 +285,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
             for key, label in _NUMBERS
             if as_number(r.get(key)) is not None
         ],
-        "error_message": _text(r.get("error_message")),
+        "error_message": round_floats(_text(r.get("error_message"))),
         "traceback": _text(r.get("traceback")),
         "outputs": outputs,
         "attempts": attempts,
@@ -321,7 +296,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         "break_reasons": [_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
         "phases": _phases_view(r.get("phases")),
         "judged_by": _judged_by(r),
-        "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],
+        "versions": [(k, _text(r.get(k))) for k in VERSION_KEYS],
         "finished_at": _text(r.get("finished_at")),
     }
 

@@ -13,6 +13,7 @@ import datetime as _dt
 import functools
 import importlib.metadata
 import math
+import re
 import secrets
 import types
 import typing
@@ -152,6 +153,15 @@ def compile_summary(row: Mapping[str, Any]) -> str:
     if given(row.get("eager_outcome")):
         parts.append(f"eager on the same device: {row['eager_outcome']}")
     return ", ".join(parts)
+
+
+_LONG_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d{5,}(?:[eE][-+]?\d+)?(?![\w.])")
+
+
+def round_floats(text: str) -> str:
+    """A message's long floats as people read them, three significant digits ("rmse ratio 65.1", not
+    65.05722897265998; rows written before messages rounded their numbers)."""
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.3g}", text)
 
 
 def step_output(k: int) -> str:
