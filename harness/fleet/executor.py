@@ -48,7 +48,8 @@ def make_pool(executor: str, *, jobs: int, worker_env: dict[str, str], mem_cap_m
 def death(w: Any, timeout_s: float, load_timeout_s: float, compile_timeout_s: float | None = None) -> Measurement:
     """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
     code, sig = w.death()
-    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host}
+    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host,
+             "worker_output": getattr(w, "output", "")}  # a local worker's output during the job (capture.py)
     if w.killed_for == "timeout":
         loading, compiling = w.phase in ("", "load"), w.phase == COMPILE_PHASE
         why = (f"still loading after {load_timeout_s:.0f}s (--load-timeout)" if loading

@@ -287,6 +287,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         ],
         "error_message": round_floats(_text(r.get("error_message"))),
         "traceback": _text(r.get("traceback")),
+        "worker_output": _text(r.get("worker_output")),
         "outputs": outputs,
         "attempts": attempts,
         "attempt_cols": attempt_cols,

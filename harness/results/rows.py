@@ -118,6 +118,8 @@ class Measurement:
     perf: dict = field(default_factory=dict)
     ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
     ref_key: str = ""  # its reference-cache key
+    worker_output: str = ""  # what the worker printed (stdout and stderr, native code's too) while it ran the
+    # model, the tail (harness.fleet.capture): warnings and a fatal signal's report, kept off the terminal
 
     # --compile (harness.run.configs): what compiling made and cost, apart from the run's seconds
     compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
