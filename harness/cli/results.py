@@ -23,7 +23,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     print(f"run {rid}: {total} result(s); {headline_line(counts).strip()}")
     print(outcome_line(counts))
     mat = mx.matrix(df)
-    print_frame("matrix", mat)
+    if not args.perf:  # --perf asks for the speed tables: the outcome matrix would push them off the screen
+        print_frame("matrix", mat)
     if args.by:
         rates = mx.pass_rates(df, args.by)
         empty = [o for o in OUTCOMES if o in rates and not rates[o].any()]

@@ -28,6 +28,22 @@ from typing import Any
 PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "eager",
           "perf")
 COMPILE_PHASE = "compile"
+# What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
+PHASE_DOING = {
+    "": "running",  # no phase heard yet (a Ray actor's is read from its node only near a deadline)
+    "load": "loading the model (a big checkpoint takes a while)",
+    "ref_cache": "looking the reference side up in the reference cache",
+    "reference": "running the fp32 CPU reference",
+    "oracle": "computing the fp64 oracle (a float64 copy of the model: the slowest reference phase)",
+    "expected": "running the declared-precision expected reference",
+    "ref_store": "storing the reference side in the reference cache",
+    "target": "running on the target",
+    "compare": "comparing the outputs",
+    "localize": "localizing the drift module by module",
+    "eager": "running the step eagerly to see whose failure it is",
+    "perf": "timing the step (--perf)",
+    COMPILE_PHASE: "compiling the target's step ({compile}; a cold Inductor cache takes minutes, later runs reuse it)",
+}
 
 
 @dataclass(kw_only=True)
