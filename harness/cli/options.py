@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--night", action="store_true",
                    help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
     _perf_gate_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the diff as JSON")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("report", help="build the static HTML report")
@@ -289,7 +289,7 @@ def _cache_parsers(sub: Any) -> None:
     for q in (stats, prune):
         q.add_argument("--ref-cache", default=None, metavar="DIR", help="the cache (default: ref-cache/ next to --db)")
         q.add_argument("--db", default=DEFAULT_DB, help=f"the result DB the cache sits next to (default {DEFAULT_DB})")
-        q.add_argument("--json", action="store_true")
+        q.add_argument("--json", action="store_true", help="print the answer as JSON")
     prune.add_argument("--older-than", default=None, metavar="AGE",
                        help="remove entries not used for AGE: a number with s, m, h, d or w (30d, 12h)")
     prune.add_argument("--max-size", default=None, metavar="SIZE",
@@ -317,7 +317,7 @@ def _nightly_parsers(sub: Any) -> None:
     g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
     p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
     _perf_gate_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
     p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
     p.set_defaults(func=cmd_trend)
@@ -335,7 +335,7 @@ def _nightly_parsers(sub: Any) -> None:
     p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
     p.add_argument("--run", help="run id (default: latest)")
     p.add_argument("--limit", type=int, default=30, help="groups to print (default 30)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print every group as JSON")
     p.set_defaults(func=cmd_groups)
 
 
