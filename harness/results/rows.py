@@ -94,6 +94,7 @@ class Measurement:
     # where every step's logits are inside it but a kernel is not, the step that kernel ran in
     ref_tokens: list = field(default_factory=list)  # the reference's greedy tokens, one list per batch row
     target_tokens: list = field(default_factory=list)  # the target's own (free-running) greedy tokens
+    token_text: dict = field(default_factory=dict)  # token id (str) -> its text, from the checkpoint's tokenizer
     tokens_matched: int | None = None  # steps at which every row's free-running token matched, before the first
     first_divergent_step: int | None = None  # ... that did not (None: all N matched)
     divergence_margin: float | None = None  # the reference's top-2 logit margin there
