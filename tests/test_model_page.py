@@ -86,3 +86,19 @@ def test_a_checkpoints_tokenizer_gives_the_tokens_text(tmp_path: Path) -> None:
     local = tokenizer_for(ModelEntry(id=str(tmp_path), source="local", path=str(tmp_path)))
     assert token_text(local, [[1, 2]], [[2, 0]]) == {"0": "[UNK]", "1": "hello", "2": "world"}
     assert tokenizer_for(ModelEntry(id="tiny/gpt2/causal-lm", source="tiny")) is None  # tiny builds have none
+
+
+def test_a_page_the_speed_gate_flagged_says_so() -> None:
+    import pandas as pd
+
+    from harness.analysis.diff import DiffResult
+    from harness.analysis.perfgate import PerfChange, PerfGate
+    from harness.report.links import row_links
+
+    slow = PerfChange(model_id="tiny/bert/base", config="sim", quantity="ratio", base=1.0, head=1.6, slowdown=1.6,
+                      lo=1.5, hi=1.7, detail="1.60x slower [1.50-1.70]; aten::_softmax self time 4.1x")
+    res = DiffResult(base_run="night-1", head_run="night-2", perf=PerfGate(regressions=[slow]))
+    links = row_links([], pd.DataFrame(), res)
+    row = {"model_id": "tiny/bert/base", "config": "sim", "target": "sim", "settings": {}, "outcome": "pass"}
+    assert links(row)["perf_flag"] == "perf regression vs night-1: 1.60x slower [1.50-1.70]; aten::_softmax self time 4.1x"
+    assert links({**row, "model_id": "tiny/gpt2/causal-lm"})["perf_flag"] == ""

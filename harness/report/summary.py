@@ -68,7 +68,9 @@ def summary_view(
         "occurred": occurred,
         "absent": [o for o in OUTCOMES if not counts[o]],
         "top_ops": top_ops_view(cov, hrefs),
-        "top_groups": groups_view(groups, hrefs, limit=TOP, examples=2),
+        # the target's own failures first: a model that cannot load or a reference that fails is not the
+        # backend engineer's to fix (those groups still show, after, and in the full table)
+        "top_groups": groups_view(sorted(groups, key=lambda g: g.reference_side), hrefs, limit=TOP, examples=2),
         "groups": groups_view(groups, hrefs, limit=GROUPS_SHOWN),
         "row_versions": {
             k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in VERSION_KEYS
