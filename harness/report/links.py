@@ -15,7 +15,7 @@ from harness.analysis.diff import DiffResult
 from harness.analysis.fingerprint import FailureGroup, group_key, is_failure, key_id
 from harness.analysis.matrix import split_ops
 from harness.report.nightly import short_line
-from harness.report.views import _text, op_anchor, records
+from harness.report.views import as_text, op_anchor, records
 
 
 def reproduce(row: dict[str, Any]) -> str:
@@ -24,7 +24,7 @@ def reproduce(row: dict[str, Any]) -> str:
     from harness.cli.options import check_command  # the one home of the flags; imports nothing heavy
 
     settings = row.get("settings") if isinstance(row.get("settings"), dict) else {}
-    return check_command(_text(row.get("model_id")), _text(row.get("target")) or "sim", settings)
+    return check_command(as_text(row.get("model_id")), as_text(row.get("target")) or "sim", settings)
 
 
 def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | None
@@ -41,7 +41,7 @@ def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | N
 
     def links(r: dict[str, Any]) -> dict[str, Any]:
         group = None
-        if is_failure(_text(r.get("outcome"))):
+        if is_failure(as_text(r.get("outcome"))):
             g = by_id.get(key_id(group_key(r)))
             if g is not None:
                 label = " · ".join(p for p in (g.outcome, g.what, short_line(g.message)) if p)
@@ -53,6 +53,6 @@ def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | N
                 coverage.append({"op": op, "href": f"../ops.html#{op_anchor(op)}", "others": int(o["models_listing"]) - 1,
                                  "unblocked": int(o["models_unblocked"])})
         return {"command": reproduce(r), "group": group, "coverage": coverage,
-                "perf_flag": flagged.get((_text(r.get("model_id")), _text(r.get("config"))), "")}
+                "perf_flag": flagged.get((as_text(r.get("model_id")), as_text(r.get("config"))), "")}
 
     return links

@@ -18,7 +18,7 @@ from harness.analysis.matrix import outcome_counts, pass_rates
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 from harness.report.nightly import groups_view
 from harness.report.svg import svg_outcome_bar
-from harness.report.views import VERSION_KEYS, _text, op_anchor, records
+from harness.report.views import VERSION_KEYS, as_text, op_anchor, records
 
 TOP = 5  # ops and failure groups on the first screen (the rest: the ops page, the full groups table below)
 GROUPS_SHOWN = 25  # failure groups in the full table
@@ -73,10 +73,10 @@ def summary_view(
         "top_groups": groups_view(sorted(groups, key=lambda g: g.reference_side), hrefs, limit=TOP, examples=2),
         "groups": groups_view(groups, hrefs, limit=GROUPS_SHOWN),
         "row_versions": {
-            k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in VERSION_KEYS
+            k: sorted({as_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in VERSION_KEYS
         },
         "rates": {by: _rates(df, by) for by in ("arch", "task", "modality")},
-        "runs": [{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
+        "runs": [{k: as_text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
         "configs": configs,
         "diff": None
         if res is None

@@ -62,7 +62,8 @@ def fmt(v: Any, digits: int = 3) -> str:
     return f"{f:.{digits}g}"
 
 
-def _text(v: Any) -> str:
+def as_text(v: Any) -> str:
+    """A cell as text: "" for a missing value (None, NaN)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
     return str(v)
@@ -93,7 +94,7 @@ def run_view(run: dict[str, Any]) -> dict[str, Any]:
     """The selected run as every page's header shows it (settings apart: they are a dict)."""
     settings = run.get("settings") or {}
     return {
-        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
+        "run": {k: as_text(v) for k, v in run.items() if k != "settings"},
         "run_settings": settings,
         "run_label": settings_label(run["target"], settings),
     }
@@ -132,13 +133,13 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
                 "outcome": r["outcome"],
                 "rmse_ratio": fmt(r.get("rmse_ratio")),
                 "declared_ratio": fmt(r.get("declared_ratio")),
-                "contract": _text(r.get("contract")),
-                "op": _text(r.get("first_drift_op")),
-                "module": _text(r.get("first_drift_module")) or _text(r.get("first_drift_op_module")),
-                "module_type": _text(r.get("first_drift_module_type")),
+                "contract": as_text(r.get("contract")),
+                "op": as_text(r.get("first_drift_op")),
+                "module": as_text(r.get("first_drift_module")) or as_text(r.get("first_drift_op_module")),
+                "module_type": as_text(r.get("first_drift_module_type")),
             }
             for r in records(worst)
-            if as_number(r.get(key)) is not None or _text(r.get("first_drift_op"))
+            if as_number(r.get(key)) is not None or as_text(r.get("first_drift_op"))
         ],
     }
 
@@ -183,13 +184,13 @@ def _output_view(name: str, m: Any) -> dict[str, Any]:
         "declared_ratio": fmt(m.get("declared_ratio")),
         "beyond": judgement == "beyond",
         "nonfinite": bool(m.get("nonfinite")),
-        "note": _text(m.get("note")),
+        "note": as_text(m.get("note")),
         "cosine": fmt(m.get("cosine"), 9),
         "max_abs": fmt(m.get("max_abs")),
         "max_rel": fmt(m.get("max_rel")),
         "ok": m.get("ok"),
-        "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else _text(shape),
-        "dtype": _text(m.get("dtype")),
+        "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else as_text(shape),
+        "dtype": as_text(m.get("dtype")),
     }
 
 
@@ -213,7 +214,7 @@ def _cosine_note(key: str, metrics: Any) -> str:
 def _attempts_view(attempts: Any) -> tuple[list[dict[str, str]], list[str]]:
     """Attempt rows as text and their columns: the usual ones first, anything else after, by name."""
     rows = [
-        {k: (fmt(v) if isinstance(v, float) else _text(v)) for k, v in a.items()}
+        {k: (fmt(v) if isinstance(v, float) else as_text(v)) for k, v in a.items()}
         for a in attempts or []
         if isinstance(a, dict)
     ]
@@ -236,10 +237,10 @@ def _phases_view(phases: Any) -> list[dict[str, str]]:
 def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Which rules judged the row: the fp64 oracle's form and the op check's coverage."""
     out = []
-    if _text(r.get("oracle")) not in ("", "nan"):
-        out.append(("fp64 oracle", _text(r.get("oracle"))))
-    if _text(r.get("ref_cache")) not in ("", "nan"):
-        out.append(("reference", _text(r.get("ref_cache"))))
+    if as_text(r.get("oracle")) not in ("", "nan"):
+        out.append(("fp64 oracle", as_text(r.get("oracle"))))
+    if as_text(r.get("ref_cache")) not in ("", "nan"):
+        out.append(("reference", as_text(r.get("ref_cache"))))
     checked = as_number(r.get("ops_checked"))
     if checked is not None:
         sampled = as_number(r.get("ops_sampled_out"))
@@ -264,41 +265,41 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
     return {
         "config": r["config"],
         "outcome": r["outcome"],
-        "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")]
+        "fields": [(k, as_text(r.get(k))) for k in _FIELDS if as_text(r.get(k)) not in ("", "nan")]
         + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else [])
         + ([("missing gradients", ", ".join(map(str, r["missing_grads"])))] if r.get("missing_grads") else []),
         "worst_ratio": fmt(r.get("rmse_ratio")),
         "grad_ratio": fmt(r.get("grad_worst_ratio")),
-        "where": _text(r.get("first_drift_param")) or _text(r.get("first_drift_module"))
-        or (decoding["where"] if decoding else "") or _text(r.get("first_drift_op_module"))
-        or _text(r.get("compile_node")) or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+        "where": as_text(r.get("first_drift_param")) or as_text(r.get("first_drift_module"))
+        or (decoding["where"] if decoding else "") or as_text(r.get("first_drift_op_module"))
+        or as_text(r.get("compile_node")) or as_text(r.get("unsupported_op")) or as_text(r.get("error_type")),
         "decoding": decoding,
-        "drift_module": _text(r.get("first_drift_module")),
-        "drift_op": _text(r.get("first_drift_op")),
-        "drift_op_module": _text(r.get("first_drift_op_module")),
+        "drift_module": as_text(r.get("first_drift_module")),
+        "drift_op": as_text(r.get("first_drift_op")),
+        "drift_op_module": as_text(r.get("first_drift_op_module")),
         "drift_op_inputs": ", ".join(r.get("first_drift_op_inputs") or []),
-        "repro_link": _text(r.get("repro_link")),
-        "contract": _text(r.get("contract")),
-        "drift_module_type": _text(r.get("first_drift_module_type")),
+        "repro_link": as_text(r.get("repro_link")),
+        "contract": as_text(r.get("contract")),
+        "drift_module_type": as_text(r.get("first_drift_module_type")),
         "numbers": [
             (label, fmt(r.get(key), 9 if key == "min_cosine" else 3) + _cosine_note(key, metrics))
             for key, label in _NUMBERS
             if as_number(r.get(key)) is not None
         ],
-        "error_message": round_floats(_text(r.get("error_message"))),
-        "traceback": _text(r.get("traceback")),
-        "worker_output": _text(r.get("worker_output")),
+        "error_message": round_floats(as_text(r.get("error_message"))),
+        "traceback": as_text(r.get("traceback")),
+        "worker_output": as_text(r.get("worker_output")),
         "outputs": outputs,
         "attempts": attempts,
         "attempt_cols": attempt_cols,
         "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if as_number(r.get(key)) is not None],
         "compiled": compile_summary(r),
         "graph_breaks": _count(r.get("graph_breaks")),
-        "break_reasons": [_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
+        "break_reasons": [as_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
         "phases": _phases_view(r.get("phases")),
         "judged_by": _judged_by(r),
-        "versions": [(k, _text(r.get(k))) for k in VERSION_KEYS],
-        "finished_at": _text(r.get("finished_at")),
+        "versions": [(k, as_text(r.get(k))) for k in VERSION_KEYS],
+        "finished_at": as_text(r.get("finished_at")),
     }
 
 
@@ -313,12 +314,12 @@ def history_view(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
         out.setdefault(r["model_id"], []).append(
             {
                 "run_id": r["run_id"],
-                "started_at": _text(r.get("run_started_at")),
-                "list_name": _text(r.get("list_name")),
+                "started_at": as_text(r.get("run_started_at")),
+                "list_name": as_text(r.get("list_name")),
                 "config": r["config"],
                 "outcome": r["outcome"],
                 "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "detail": _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+                "detail": as_text(r.get("unsupported_op")) or as_text(r.get("error_type")),
             }
         )
     return out
@@ -352,16 +353,16 @@ def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> 
         first = next(iter(by_cfg.values()))
         ratios = [x for x in (as_number(r.get("rmse_ratio")) for r in by_cfg.values()) if x is not None]
         walls = [x for x in (as_number(r.get("wall_time_s")) for r in by_cfg.values()) if x is not None]
-        ops = sorted({_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
-        errs = sorted({_text(r.get("error_type")) for r in by_cfg.values()} - {""})
+        ops = sorted({as_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
+        errs = sorted({as_text(r.get("error_type")) for r in by_cfg.values()} - {""})
         rows.append(
             {
                 "model": model,
                 "href": hrefs[model],
-                "arch": _text(first.get("arch")),
-                "task": _text(first.get("task")),
-                "modality": _text(first.get("modality")),
-                "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
+                "arch": as_text(first.get("arch")),
+                "task": as_text(first.get("task")),
+                "modality": as_text(first.get("modality")),
+                "outcomes": [as_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
                 # ops that ran on the CPU instead of the target, per column: "" for a native result
                 "fallback": [_fallback_text(by_cfg[c].get("fallback_ops")) if c in by_cfg else "" for c in configs],
                 "rmse_ratio": _json_num(max(ratios)) if ratios else None,
