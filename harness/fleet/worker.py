@@ -97,8 +97,8 @@ def worker_main(
 ) -> None:
     """Child-process entry point (started by the pool from the forkserver)."""
     # Ctrl-C reaches the whole process group: the supervisor stops the workers and says so once, so a
-    # worker ignores it (no traceback per worker). Its stdout is the CLI's: what a model or a backend
-    # prints goes to stderr, so `--json` output stays JSON.
+    # worker ignores it (no traceback per worker). Its stdout is the CLI's: what a backend prints while the
+    # worker starts goes to stderr, so `--json` output stays JSON (what a model prints goes to its row).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     os.dup2(2, 1)
