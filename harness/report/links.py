@@ -15,6 +15,7 @@ from harness.analysis.diff import DiffResult
 from harness.analysis.fingerprint import FailureGroup, group_key, is_failure, key_id
 from harness.analysis.matrix import split_ops
 from harness.report.nightly import short_line
+from harness.report.summary import GROUPS_SHOWN
 from harness.report.views import as_text, op_anchor, records
 
 
@@ -31,6 +32,7 @@ def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | N
               ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """A function from a result row to its model page's links (paths relative to the models/ directory)."""
     by_id = {g.id: g for g in groups}
+    listed = {g.id for g in groups[:GROUPS_SHOWN]}  # the summary's table has a row (an anchor) for these
     ops = {o["op"]: o for o in records(cov)} if not cov.empty else {}
     flagged: dict[tuple[str, str], str] = {}
     if res is not None:
@@ -45,7 +47,8 @@ def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | N
             g = by_id.get(key_id(group_key(r)))
             if g is not None:
                 label = " · ".join(p for p in (g.outcome, g.what, short_line(g.message)) if p)
-                group = {"href": f"../index.html#group-{g.id}", "count": g.count, "label": label}
+                group = {"href": f"../index.html#{'group-' + g.id if g.id in listed else 'groups'}",
+                         "count": g.count, "label": label}
         coverage = []
         for op in split_ops(r.get("unsupported_op")):
             o = ops.get(op)
