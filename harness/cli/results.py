@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+RATE_LABELS = {"ran_pct": "ran %", "matched_pct": "matched %", "pass_pct": "pass %"}  # columns as printed
+
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
@@ -21,11 +23,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     print(f"run {rid}: {total} result(s); {headline_line(counts).strip()}")
     print(outcome_line(counts))
     mat = mx.matrix(df)
-    print_frame("matrix", mat)
+    if not args.perf:  # --perf asks for the speed tables: the outcome matrix would push them off the screen
+        print_frame("matrix", mat)
     if args.by:
         rates = mx.pass_rates(df, args.by)
-        empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
-        print_frame(f"pass rate by {args.by}", rates.drop(columns=empty))
+        empty = [o for o in OUTCOMES if o in rates and not rates[o].any()]
+        print_frame(f"ran % and numerics matched % by {args.by} (pass % = fp32-exact)",
+                    rates.drop(columns=empty).rename(columns=RATE_LABELS))
     if args.ops:
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
     speed = mx.perf_summary(df)
@@ -59,11 +63,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import time
 
+    from harness.cli.options import check_command
     from harness.report import build_report
 
     t0 = time.perf_counter()
     index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
-                         opinfo_csv=args.opinfo, history=args.history, night=args.night)
+                         opinfo_csv=args.opinfo, history=args.history, night=args.night, command=check_command)
     print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
           f"(open it from disk: file://{index.resolve()})")
     return 0

@@ -105,9 +105,12 @@ def _saved_rows(db: str, **run: Any) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from harness.models.model_list import find_entry
+
+    # The model first: a typo in its id is answered before torch and transformers are imported (seconds).
+    entry = find_entry(args.model, task=args.task)
     from harness.console import clean_row, terminal_text, verdict_lines
     from harness.fleet.runner import run_models
-    from harness.models.model_list import find_entry
     from harness.outcomes import PASSING
     from harness.results.store import ResultStore, check_writable
 
@@ -117,7 +120,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.db and not config.compile_cache:  # the DB is temporary: its caches would be too
         config.compile_cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                             "portharness", "compile-cache")
-    entry = find_entry(args.model, task=args.task)
     if args.db:
         check_writable(args.db)  # before any write: see cmd_run
     config.ref_cache = _ref_cache(args, args.db)
@@ -229,16 +231,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""), file=human)
+    if config.perf:
+        _speed_summary(args.db, summary.run_id, human)
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if summary.never_worked:
         print(f"portharness: {summary.never_worked}", file=sys.stderr)
     if args.report:
+        from harness.cli.options import check_command
         from harness.files import OutputError
         from harness.report import build_report
 
         try:
-            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id)}", file=human)
+            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id, command=check_command)}",
+                  file=human)
         except OutputError as e:
             print(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report again with "
                   f"`portharness report --db {args.db} --out {args.report}`", file=sys.stderr)
@@ -246,6 +252,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(summary), indent=2))
     return 0 if not summary.unfinished and not summary.never_worked else 1
+
+
+def _speed_summary(db: str, run_id: str, out: Any, slowest: int = 5) -> None:
+    """`run --perf`'s last lines: the geometric means of the run, and its models slowest against the CPU."""
+    from harness.analysis import matrix as mx
+    from harness.console import print_frame
+
+    _, df = mx.load_results(db, run_id)
+    table = mx.perf_table(df)
+    if table.empty:
+        print("  speed (--perf): no model was timed", file=out)
+        return
+    if out is not sys.stdout:  # --json: stdout is the JSON alone; one line here
+        for r in mx.perf_summary(df).to_dict("records"):
+            print(f"  speed (--perf) {r['config']}: {r['models']} models, geomean target {r['geomean_target_ms']} ms, "
+                  f"target/reference {r['geomean_ratio']}x", file=out)
+        return
+    print_frame("speed (--perf): geometric means per configuration", mx.perf_summary(df))
+    top = table.sort_values("ratio", ascending=False, na_position="last").head(slowest).reset_index(drop=True)
+    if top["config"].nunique() == 1:
+        top = top.drop(columns="config")  # one configuration: the table above names it
+    print_frame(f"slowest against the CPU reference (top {slowest}; all: portharness matrix --perf --db {db})", top)
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:

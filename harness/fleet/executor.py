@@ -176,7 +176,8 @@ def executor_for(name: str) -> Executor:
 def death(w: PoolWorker, budgets: Budgets) -> Measurement:
     """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
     code, sig = w.death()
-    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host}
+    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host,
+             "worker_output": getattr(w, "output", "")}  # a local worker's output during the job (capture.py)
     if w.killed_for == "timeout":
         error_type, why = budgets.why(w.clock, w.key)
         return Measurement(**where, outcome="timeout", error_type=error_type, signal=sig,

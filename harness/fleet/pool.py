@@ -26,6 +26,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from harness.fleet.budgets import Budgets, JobClock
+from harness.fleet.capture import fatal_report, read_log, remove_log
 from harness.run.memory import rss_mb
 
 PRELOAD = ["torch", "transformers", "harness.fleet.forkserver_guard"]
@@ -118,6 +119,16 @@ class Worker:
             self.proc.kill()
             self.proc.join(2)
 
+    @property
+    def output(self) -> str:
+        """What the worker printed during its last job (its log file; `harness.fleet.capture`)."""
+        return read_log(self.proc.pid)
+
+    @property
+    def fatal(self) -> str:
+        """The fatal-signal report of a worker that died under a job ("" for any other death)."""
+        return fatal_report(self.proc.pid)
+
     def death(self) -> tuple[int | None, int | None]:
         """(exit code, signal) of a dead worker."""
         code = self.proc.exitcode
@@ -165,6 +176,7 @@ class Pool:
 
     def retire(self, w: Worker) -> None:
         """Forget a dead or killed worker."""
+        remove_log(w.proc.pid)
         if w in self.workers:
             self.workers.remove(w)
         try:
@@ -238,6 +250,7 @@ class Pool:
     def close(self) -> None:
         for w in self.workers:
             w.stop()
+            remove_log(w.proc.pid)
         self.workers.clear()
 
 

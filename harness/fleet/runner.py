@@ -24,6 +24,7 @@ from tqdm import tqdm
 from harness.backends import adapter_for, load_backends
 from harness.fleet import policy, quiet
 from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
+from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.runconfig import RunConfig
 from harness.fleet.worker import task_payload
@@ -165,6 +166,10 @@ class _Run:
         self.t_start = time.monotonic()
         self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
                              mininterval=0.5 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+        # a long phase says what it is doing: soon for one model (check), above the progress bar for a run
+        self.notices = PhaseNotices(lambda line: self.progress.write(line, file=sys.stderr),
+                                    after_s=30.0 if config.progress else 5.0,
+                                    every_s=60.0 if config.progress else 30.0, settings=settings)
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -409,6 +414,7 @@ class _Run:
             for ev in self.pool.poll():
                 if ev.worker in self.pool.workers or ev.kind not in ("died", "lost", "interrupted"):
                     self._on(ev)
+            self.notices.poll(self.pool.workers)
 
     def run(self) -> RunSummary:
         t0 = time.monotonic()

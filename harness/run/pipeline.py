@@ -204,8 +204,9 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
                                                 model_id=run.entry.id, directory=Path(run.task.repro_dir)))
     if verdict.outcome == "drift" and worst is not None:
         messages.append(
-            f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, declared ratio "
-            f"{worst.declared_ratio}, max abs {worst.max_abs}" + (" (non-finite values on target)" if verdict.nonfinite else "")
+            f"output {worst.name!r} out of tolerance: rmse ratio {_g(worst.rmse_ratio)}, declared ratio "
+            f"{_g(worst.declared_ratio)}, max abs {_g(worst.max_abs)}"
+            + (" (non-finite values on target)" if verdict.nonfinite else "")
         )
     elif verdict.outcome != "drift":
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
@@ -230,6 +231,11 @@ def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: dict[st
         if site is not None:
             out["first_drift_module"] = site.module
             out["first_drift_module_type"] = site.module_type
+
+
+def _g(v: float | None) -> str:
+    """A number as a message shows it: three significant digits (65.1, not 65.05722897265998)."""
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], dict[str, Any]]:
