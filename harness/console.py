@@ -181,6 +181,13 @@ def _perf_text(label: str, perf: Any) -> str | None:
     return "; ".join(parts) + f"; {n} rounds in {perf.get('wall_s', 0):.1f} s" + (f"; {perf['note']}" if perf.get("note") else "")
 
 
+def confirm_line(counts: dict[str, int]) -> str:
+    """The confirmation of pass_declared rows at full precision, as one line (`run` and `matrix` print it)."""
+    return (f"  at full precision: {counts.get('confirmed', 0)} pass_declared confirmed, {counts.get('unconfirmed', 0)} "
+            f"unconfirmed (the declared precision may hide a bug there), {counts.get('hidden drift', 0)} drift(s) "
+            "the declared precision hid")
+
+
 def verdict_lines(row: dict[str, Any]) -> list[str]:
     """The `portharness check` verdict for one result row, as aligned text lines."""
     lines = []

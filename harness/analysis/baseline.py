@@ -135,11 +135,15 @@ def _text(v: Any) -> str:
 
 
 def detail_of(row: dict[str, Any]) -> str:
-    """What is worth pinning beside the outcome: the failing op or the first drifting module's type."""
+    """What is worth pinning beside the outcome: the failing op or the first drifting module's type; for a
+    declared-precision pass, whether full precision confirmed it (or a drift it hid)."""
+    confirm = _text(row.get("confirm"))
     if row.get("outcome") == "unsupported_op":
         return _text(row.get("unsupported_op"))
     if row.get("outcome") == "drift":
-        return _text(row.get("first_drift_module_type"))
+        return " ".join(x for x in (_text(row.get("first_drift_module_type")), f"({confirm})" if confirm else "") if x)
+    if row.get("outcome") == "pass_declared":
+        return confirm
     return ""
 
 
@@ -328,7 +332,8 @@ def _records(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[dict[str, An
         return []
     if "run_started_at" in df.columns:
         df = df.sort_values("run_started_at", kind="stable")
-    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "error_message", "error_type", *extra)
+    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "confirm", "error_message", "error_type",
+            *extra)
     return list({r["model_id"]: r for r in column_records(df, cols)}.values())
 
 

@@ -117,6 +117,18 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, int]:
     return {o: int(counts.get(o, 0)) for o in OUTCOMES}
 
 
+CONFIRM_KINDS = ("confirmed", "unconfirmed", "hidden drift")  # harness.run.variants.Confirmation's words
+
+
+def confirm_counts(df: pd.DataFrame) -> dict[str, int]:
+    """Rows confirmed at the device's highest precision (pass_declared that held), not confirmed (the
+    device has no such mode: the declared precision may hide a bug), and drifts it found (hidden drift)."""
+    if df.empty or "confirm" not in df.columns:
+        return {}
+    counts = latest_per_key(df)["confirm"].fillna("").value_counts()
+    return {k: int(counts[k]) for k in CONFIRM_KINDS if counts.get(k, 0)}
+
+
 def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
     """Per group (grouped by config too if there are several): the headline of the summary's cards, then
     how many rows of each outcome, most matched first.

@@ -12,7 +12,7 @@ RATE_LABELS = {"ran_pct": "ran %", "matched_pct": "matched %", "pass_pct": "pass
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
-    from harness.console import headline_line, outcome_line, print_frame
+    from harness.console import confirm_line, headline_line, outcome_line, print_frame
     from harness.outcomes import OUTCOMES
 
     if args.out:
@@ -22,6 +22,9 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     total = sum(counts.values())
     print(f"run {rid}: {total} result(s); {headline_line(counts).strip()}")
     print(outcome_line(counts))
+    confirmed = mx.confirm_counts(df)
+    if confirmed:
+        print(confirm_line(confirmed))
     mat = mx.matrix(df)
     if not args.perf:  # --perf asks for the speed tables: the outcome matrix would push them off the screen
         print_frame("matrix", mat)

@@ -143,7 +143,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.console import headline_line, outcome_table
+    from harness.console import confirm_line, headline_line, outcome_table
     from harness.fleet.executor import executor_for
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.models.model_list import load_model_list
@@ -219,9 +219,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(headline_line(counts), file=human)
     print(outcome_table(counts, done), file=human)
     if summary.confirmed:  # pass_declared rows, run again at full precision
-        c = summary.confirmed
-        print(f"  at full precision: {c.get('confirmed', 0)} pass_declared confirmed, {c.get('unconfirmed', 0)} "
-              f"unconfirmed, {c.get('hidden drift', 0)} drift(s) the declared precision hid", file=human)
+        print(confirm_line(summary.confirmed), file=human)
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())),
               file=human)

@@ -14,7 +14,7 @@ import pandas as pd
 
 from harness.analysis.diff import DiffResult
 from harness.analysis.fingerprint import FailureGroup
-from harness.analysis.matrix import outcome_counts, pass_rates
+from harness.analysis.matrix import confirm_counts, outcome_counts, pass_rates
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
 from harness.report.nightly import groups_view
 from harness.report.svg import svg_outcome_bar
@@ -65,6 +65,7 @@ def summary_view(
         "headline": headline(counts),
         "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
         "outcome_bar": svg_outcome_bar(counts),
+        "confirmed": confirm_counts(df),
         "occurred": occurred,
         "absent": [o for o in OUTCOMES if not counts[o]],
         "top_ops": top_ops_view(cov, hrefs),

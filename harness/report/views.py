@@ -151,7 +151,7 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
 _FIELDS = ("arch", "task", "modality", "device", "host", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
            "signal", "loss_kind", "first_drift_param", "compile_stage", "compile_node", "eager_outcome",
-           "amp_step_skipped")
+           "amp_step_skipped", "confirm", "confirm_note")
 _NUMBERS = (("rmse_ratio", "fp32 ratio (worst output; <= 1 within fp32)"),
             ("declared_ratio", "declared ratio (worst output; <= 1 within declared)"), ("max_abs_err", "max abs err"),
             ("max_rel_err", "max rel err"), ("min_cosine", "min cosine"), ("grad_worst_ratio", "worst gradient ratio"),
