@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
@@ -22,6 +22,14 @@ from harness.cli.runs import cmd_check, cmd_run, cmd_zoo
 from harness.models.heads import HEADS
 
 DEFAULT_DB = "results/portharness.db"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other bad input is (`--help` stays whole).
+    Subcommands' parsers are of the same class (argparse makes them with ``type(parent)``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
 
 
 def _target_options(p: argparse.ArgumentParser) -> None:
@@ -130,8 +138,8 @@ def _perf_gate_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="portharness",
-               description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
+    ap = Parser(prog="portharness",
+                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "
