@@ -80,12 +80,12 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     p.add_argument("--slow-ops", dest="slow_ops", default=None, metavar="SPEC",
-                   help="sim: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower; comma-separated) to see "
-                        "the speed gate catch them")
+                   help="sim, with --perf: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower, 1 to 1000; "
+                        "comma-separated) to see the speed gate catch them")
     p.add_argument("--perf", action="store_true",
                    help="after the verdict, time the step on the target and the CPU reference (interleaved, "
                         "synchronized), profile the target's ops, record the device's peak memory")
-    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=None, metavar="SECONDS",
                    help="with --perf: seconds of timed rounds per model, after warm-up (default 1; at least 5 rounds)")
     _config_options(p)
     _backend_option(p)
@@ -110,10 +110,11 @@ def _config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                    help="run the target's step under torch.autocast(<device>, dtype); the expected reference under "
                         "torch.autocast('cpu', dtype) (contracts amp-bf16, amp-fp16); fp16 training scales the loss")
-    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="seconds the compiler may run for one model (its own budget, apart from --timeout)")
+    p.add_argument("--compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --compile: seconds the compiler may run for one model (its own budget, apart from "
+                        "--timeout; default 600)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
+                   help="with --compile: Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
                         "~/.cache/portharness/compile-cache for check without --db)")
     p.add_argument("--compiler-bug", dest="compiler_bug", default=None, metavar="KIND",
                    help="sim: plant a compiler-only bug in Inductor's generated code (erf-tanh), with --compile inductor")

@@ -48,15 +48,32 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     settings = adapter.check_settings(options)
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
-    if args.compile_timeout <= 0:
-        raise ValueError(f"--compile-timeout {args.compile_timeout}: must be > 0 seconds")
+    _acting(args, settings)
+    given = {k: getattr(args, a) for k, a in (("compile_timeout_s", "compile_timeout"), ("perf_budget_s", "perf_budget"))
+             if getattr(args, a) is not None}
     config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
-                       load_timeout_s=args.load_timeout, compile_timeout_s=args.compile_timeout,
-                       compile_cache=args.compile_cache,
+                       load_timeout_s=args.load_timeout, compile_cache=args.compile_cache,
                        mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize,
-                       perf=args.perf, perf_budget_s=args.perf_budget, **overrides)
+                       perf=args.perf, **given, **overrides)
     config.validate()
     return config
+
+
+# Options that act only beside another (option, the one it needs, what it is): refused alone, as --dynamic,
+# --compiler-bug, --new-tokens and --cache are, rather than accepted and silently ignored.
+_NEEDS = (("perf_budget", "--perf-budget", "perf", "--perf", "the time --perf spends timing each model"),
+          ("slow_ops", "--slow-ops", "perf", "--perf", "only timing sees a planted slowdown"),
+          ("compile_timeout", "--compile-timeout", "compile", "--compile BACKEND", "the compiler's own deadline"),
+          ("compile_cache", "--compile-cache", "compile", "--compile BACKEND", "it holds compiled code"))
+
+
+def _acting(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """ValueError naming an option given without the one it acts with (see `_NEEDS`)."""
+    for key, flag, needs, needs_flag, why in _NEEDS:
+        value = getattr(args, key)
+        if value is not None and not (args.perf if needs == "perf" else needs in settings):
+            shown = repr(value) if key == "slow_ops" else value
+            raise ValueError(f"{flag} {shown}: only with {needs_flag} ({why})")
 
 
 def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,7 +128,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
     config = _run_config(args, jobs=1, retries=0, progress=False, fork_workers=True)
-    if not args.db and not config.compile_cache:  # the DB is temporary: its caches would be too
+    if "compile" in config.settings and not args.db and not config.compile_cache:  # a temporary DB's caches would be too
         config.compile_cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                             "portharness", "compile-cache")
     entry = find_entry(args.model, task=args.task)
@@ -155,8 +172,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         entries = entries[: args.limit]
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
-    if args.ray_address is not None and args.executor != "ray":
-        raise ValueError(f"--ray-address {args.ray_address}: needs --executor ray")
     if args.executor == "ray":
         from harness.fleet.raypool import ray_module
 

@@ -44,7 +44,7 @@ class RunConfig:
         """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
         checks = [
             (self.executor in EXECUTORS, f"--executor {self.executor!r}: expected one of {', '.join(EXECUTORS)}"),
-            (self.ray_address is None or self.executor == "ray", "--ray-address needs --executor ray"),
+            (self.ray_address is None or self.executor == "ray", f"--ray-address {self.ray_address}: needs --executor ray"),
             (self.jobs >= 1 or (self.jobs == 0 and self.executor == "ray"),
              f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
