@@ -8,7 +8,8 @@ the cause, which the CLI prints with exit 2. A directory of pages (the report) i
 in a staging directory inside it (`replaced_dir`); a directory that must appear whole or not at all (a
 reference-cache entry) is filled beside its destination and renamed into place (`atomic_dir`), and one
 is removed by renaming it out of the way first (`remove_dir`). Pre-flight checks (`check_writable`) let a command
-refuse an output path before it does any work.
+refuse an output path before it does any work; `read_text` reads a text file the user named, with the
+same one-line errors.
 """
 
 from __future__ import annotations
@@ -65,6 +66,26 @@ class OutputError(Exception):
 def output_error(path: str | os.PathLike, exc: OSError) -> OutputError:
     """`exc` (an OSError while writing `path`) as an OutputError naming `path`."""
     return OutputError(path, exc.errno, exc.strerror or str(exc))
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """The text of a file the user named (`what`: its option, e.g. ``--perf-allowlist``; a byte-order mark
+    is dropped); in one line naming the option, the file and why: FileNotFoundError when there is none,
+    else ValueError."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {p}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {p}: a directory, not a file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {p}: cannot be read: {cause(e.errno, e.strerror or '')}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {p}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+                         "save it as UTF-8") from None
 
 
 def _read_only_fs(path: Path) -> bool:

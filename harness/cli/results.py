@@ -46,12 +46,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if not args.perf_regression > 1:
         raise ValueError(f"--perf-regression {args.perf_regression}: must be > 1 (1.2 = 20% slower)")
     perf_allowlist = read_allowlist(args.perf_allowlist)  # before anything is read or printed
+    flaky_allowlist = load_allowlist(args.flaky_allowlist)
     (base_id, base_df), (head_id, head_df) = resolve_runs(
         db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
-                    flaky_allowlist=load_allowlist(args.flaky_allowlist), perf_threshold=args.perf_regression,
-                    perf_allowlist=perf_allowlist)
+                    flaky_allowlist=flaky_allowlist, perf_threshold=args.perf_regression, perf_allowlist=perf_allowlist)
     print(json.dumps(res.to_dict(), indent=1) if args.json else terminal_text(format_summary(res)))
     return 1 if res.failed else 0
 
