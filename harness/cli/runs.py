@@ -120,6 +120,7 @@ def _saved_rows(db: str, **run: Any) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from harness.console import clean_row, terminal_text, verdict_lines
+    from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import run_models
     from harness.models.model_list import find_entry
     from harness.outcomes import PASSING
@@ -135,6 +136,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.db:
         check_writable(args.db)  # before any write: see cmd_run
     config.ref_cache = _ref_cache(args, args.db)
+    check_compile_cache(config, args.db or "")  # without --db: the default set above
     if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it (an empty dir must not)
         config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
     try:
@@ -156,6 +158,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.console import headline_line, outcome_table
+    from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import plan, run_models, shard
     from harness.models.model_list import load_model_list
     from harness.results.dbfile import StoreWriteError
@@ -189,6 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         check_out(args.report)
     config.ref_cache = _ref_cache(args, args.db)
+    check_compile_cache(config, args.db)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     except OSError as e:

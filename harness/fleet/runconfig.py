@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.run.perf import HARD_CAP
@@ -65,3 +67,18 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+def compile_cache_root(config: RunConfig, db: str | os.PathLike) -> str:
+    """Where --compile keeps its caches: --compile-cache, else ``<db>-compile-cache/`` beside the DB."""
+    p = Path(db)
+    return config.compile_cache or str(p.with_name(p.stem + "-compile-cache"))
+
+
+def check_compile_cache(config: RunConfig, db: str | os.PathLike) -> None:
+    """OutputError (one line, before the banner) unless a compiled run can keep its caches where it would:
+    a file there, or above it, made every model its own crash."""
+    if "compile" in config.settings:
+        from harness.files import check_writable
+
+        check_writable(compile_cache_root(config, db), create_parents=True, directory=True)
