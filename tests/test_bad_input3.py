@@ -110,6 +110,7 @@ def compile_rows(db: Path) -> list[dict]:
         return [dict(r) for r in c.execute("SELECT * FROM results ORDER BY finished_at")]
 
 
+@pytest.mark.slow  # three Inductor compiles of a small model: about 1.5 min on two cores (see test_configs.py)
 def test_a_damaged_compile_cache_is_retried_in_a_fresh_one_and_its_entries_dropped(tmp_path: Path, patho) -> None:
     """Inductor's kernels of a small model compiled into the run's cache, then truncated as a killed writer
     or a full disk leaves them: the next run passes (retried in a fresh cache, `compile_cache` rebuilt), the
@@ -138,6 +139,37 @@ def test_a_damaged_compile_cache_is_retried_in_a_fresh_one_and_its_entries_dropp
     assert r.returncode == 0, r.stderr[-3000:]
     row = compile_rows(db)[-1]
     assert row["outcome"] == "pass" and row["compile_cache"] in ("cold", "mixed", "warm"), row["compile_cache"]
+
+
+def test_the_fresh_cache_retry_blames_only_what_it_must(tmp_path: Path) -> None:
+    """The retry's rule on its own (no compiler): a failure the cache may have caused is tried in a fresh
+    cache; a different outcome there drops what the fresh compile made anew, the same one stays blamed."""
+    from harness.run.configs import retry_in_fresh_cache
+
+    shared = tmp_path / "shared"
+    for rel, data in (("ab/cab.so", b"x" * 100), ("ab/other.so", b"kept"), ("fxgraph/f1/fkey/e1", b"old")):
+        (shared / rel).parent.mkdir(parents=True, exist_ok=True)
+        (shared / rel).write_bytes(data)
+    failed = {"outcome": "compile_fail", "error_message": f"g++ {shared}/ab/cab.cpp: error: 'at::vec' has not been declared"}
+
+    def passes_there(fresh: str) -> dict:
+        for rel in ("ab/cab.so", "fxgraph/f1/fkey/e2", "locks/cab.lock"):
+            (Path(fresh) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(fresh) / rel).write_bytes(b"good")
+        return {"outcome": "pass"}
+
+    assert retry_in_fresh_cache(str(shared), failed, "pass", passes_there) == {"outcome": "pass", "compile_cache": "rebuilt"}
+    assert sorted(str(p.relative_to(shared)) for p in shared.rglob("*") if p.is_file()) == ["ab/other.so"]
+    again = retry_in_fresh_cache(str(shared), failed, "pass", lambda d: {"outcome": "compile_fail", "error_message": "x"})
+    assert again == {"outcome": "compile_fail", "error_message": "x; the same in a fresh compile cache: not the cache's"}
+    for fields, eager in (({"outcome": "drift", "compile_cache": "cold"}, "pass"),  # the cache served nothing
+                          ({"outcome": "drift", "compile_cache": "warm"}, "drift"),  # eager drifts too
+                          ({"outcome": "unsupported_op", "error_message": str(shared)}, "pass"),
+                          ({"outcome": "crash", "device_fault": True, "error_message": str(shared)}, "pass")):
+        assert retry_in_fresh_cache(str(shared), fields, eager, lambda d: pytest.fail("retried")) is None, fields
+    warm = retry_in_fresh_cache(str(shared), {"outcome": "drift", "compile_cache": "warm"}, "pass_declared",
+                                lambda d: {"outcome": "pass_declared"})
+    assert warm == {"outcome": "pass_declared", "compile_cache": "rebuilt"}
 
 
 # causes 3 and 4: --slow-ops factors and op names ----------------------------------------------------------------

@@ -126,7 +126,8 @@ class Measurement:
     graph_break_reasons: list = field(default_factory=list)  # the first three, one line each
     recompiles: int | None = None
     compile_s: float | None = None  # the compiler's wall time (Dynamo, AOTAutograd, the backend)
-    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed
+    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed; rebuilt
+    # (the run's cache failed it: compiled again in a fresh one, the damaged entries dropped)
     eager_outcome: str = ""  # a compiled row that did not pass: the same step, eager, on the same device
     amp_step_skipped: str = ""  # --amp fp16 train: the loss scaler skipped the step on "both" sides, the "target
     # only" (drift), or the "reference only" (its gradients overflowed: the loss is what is judged)

@@ -35,7 +35,7 @@ from harness.outcomes import PASSING
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
-from harness.run.configs import CompileWatch, Configuration, compile_cache, uncompile
+from harness.run.configs import CompileWatch, Configuration, compile_cache, retry_in_fresh_cache, uncompile
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
@@ -152,34 +152,45 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
                  inputs if localizes else None)
         return
     # Compiled: a row that does not pass also says what the same step does eagerly on the same device.
-    watch = CompileWatch(clock.announce, lambda: clock.current)
-    with compile_cache(task.compile_cache):
-        try:
-            with clock.phase("target"):
-                target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
-                                     copy_model=keep_cpu, cfg=cfg, watch=watch, contract=declared)
-            out.update(target.compile_fields)
-            if task.perf:
-                after.append(_perf(side.plan, cpu_model, target, device, adapter, task))
-            # localized by the graph check's node, not by module hooks (they would change what is compiled)
-            _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, out)
-        except Stop as stop:
-            out.update(stop.fields)
-    if out.get("outcome") in PASSING or out.get("device_fault"):
-        return
-    if not keep_cpu:
-        uncompile(model)  # it went to the device in place
-    eager: dict[str, Any] = {}
-    with clock.phase("eager"):
-        try:
-            target = target_side(model, side.plan, device, adapter, task.settings, task.seed,
-                                 _judge(device, declared, task.settings.get("op_check", "auto"), params),
-                                 copy_model=keep_cpu, cfg=cfg.eager())
-            _verdict(entry, replace(task, repro_dir=""), mode, side, target, declared, tol, cpu_model, adapter, clock,
-                     eager)
-        except Stop as stop:
-            eager.update(stop.fields)
-    out.update(eager_message(out, eager, device))
+    def compiled(directory: str) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        with compile_cache(directory):
+            try:
+                with clock.phase("target"):
+                    target = target_side(model, side.plan, device, adapter, task.settings, task.seed, judge,
+                                         copy_model=keep_cpu, cfg=cfg, contract=declared,
+                                         watch=CompileWatch(clock.announce, lambda: clock.current))
+                fields.update(target.compile_fields)
+                if task.perf:
+                    fields["_perf"] = _perf(side.plan, cpu_model, target, device, adapter, task)
+                # localized by the graph check's node, not by module hooks (they would change what is compiled)
+                _verdict(entry, task, mode, side, target, declared, tol, cpu_model, adapter, clock, fields)
+            except Stop as stop:
+                fields.update(stop.fields)
+        return fields
+
+    row = compiled(task.compile_cache)
+    if row.get("outcome") not in PASSING and not row.get("device_fault"):
+        if not keep_cpu:
+            uncompile(model)  # it went to the device in place
+        eager: dict[str, Any] = {}
+        with clock.phase("eager"):
+            try:
+                target = target_side(model, side.plan, device, adapter, task.settings, task.seed,
+                                     _judge(device, declared, task.settings.get("op_check", "auto"), params),
+                                     copy_model=keep_cpu, cfg=cfg.eager())
+                _verdict(entry, replace(task, repro_dir=""), mode, side, target, declared, tol, cpu_model, adapter,
+                         clock, eager)
+            except Stop as stop:
+                eager.update(stop.fields)
+        # the compile cache is the harness's state: a failure it may have caused is tried in a fresh one first
+        row = retry_in_fresh_cache(task.compile_cache, row, eager.get("outcome", ""), compiled) or row
+        if row.get("outcome") not in PASSING and not row.get("device_fault"):
+            row.update(eager_message(row, eager, device))
+    timing = row.pop("_perf", None)
+    if timing is not None:
+        after.append(timing)
+    out.update(row)
 
 
 def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
