@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 
@@ -95,15 +96,25 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ref_cache(args: argparse.Namespace, db: str | None) -> str | None:
-    """The reference cache directory (None: none), refused before any work if it cannot be written."""
-    from harness.files import check_writable
-    from harness.run.refcache import default_root
+    """The reference cache directory (None: none), refused before any work if it cannot be written, unless
+    it is a filled cache on read-only storage (a fleet's shared copy, mounted read-only): then it is read and
+    nothing is stored (each entry it lacks is computed, its row says why it was not stored)."""
+    from harness.files import OutputError, check_writable
+    from harness.run.refcache import default_root, is_cache
 
     if args.no_ref_cache or not (args.ref_cache or db):
         return None
     path = os.path.abspath(args.ref_cache) if args.ref_cache else str(default_root(db))
-    check_writable(path, create_parents=True, directory=True)  # created by the first entry stored, not here
+    try:
+        check_writable(path, create_parents=True, directory=True)  # created by the first entry stored, not here
+    except OutputError:
+        if not (is_cache(Path(path)) and os.access(path, os.R_OK | os.X_OK)):
+            raise
     return path
+
+
+def _read_only(path: str) -> bool:
+    return not os.access(path, os.W_OK) if os.path.isdir(path) else False
 
 
 def _saved_rows(db: str, **run: Any) -> int:
@@ -207,7 +218,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
           + (f"{jobs or len(fleet.active)} Ray actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
              if args.executor == "ray" else f"{jobs} worker(s)") + f" -> {args.db}"
-          + (f" (reference cache {config.ref_cache})" if config.ref_cache else ""), file=sys.stderr)
+          + (f" (reference cache {config.ref_cache}"
+             + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
+             if config.ref_cache else ""), file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv))
