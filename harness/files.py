@@ -74,6 +74,10 @@ def read_text(path: str | os.PathLike, what: str) -> str:
     else ValueError."""
     p = Path(path)
     try:
+        if p.is_dir():
+            raise IsADirectoryError
+        if not stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device would block or never end
+            raise ValueError(f"{what} {p}: not a regular file")
         data = p.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {p}: no such file") from None
