@@ -127,6 +127,22 @@ def check_writable(path: str | os.PathLike, *, create_parents: bool = False, dir
         raise OutputError(p, errno.EROFS if _read_only_fs(parent) else errno.EACCES)
 
 
+def probe_writable(path: str | os.PathLike) -> None:
+    """OutputError unless a file can really be made in `path` (a directory) or, where it does not exist yet,
+    in its nearest existing ancestor: access() says yes to root on file systems that refuse every write
+    (procfs, sysfs). The probe file is removed at once; nothing else is made."""
+    p = Path(os.path.abspath(path))
+    where = p
+    while not where.exists():
+        where = where.parent
+    try:
+        fd, name = tempfile.mkstemp(dir=where, prefix=STAGE_PREFIX + "probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise OutputError(p, e.errno, f"{where} refuses new files ({e.strerror or e})") from None
+
+
 def _fsync_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)

@@ -94,6 +94,10 @@ def test_a_compile_cache_that_cannot_be_a_directory_is_refused_before_the_banner
     assert str(under) in line and "is a file, not a directory" in line, line
     line = refused(capsys, ["check", "tiny/bert/base", *EXACT, "--compile", "eager", "--compile-cache", str(afile)])
     assert str(afile) in line, line
+    # storage that refuses every write even where access() says yes (procfs, to root): every model a crash before
+    line = refused(capsys, ["run", "--list", str(lst), "--db", str(db), *EXACT, "--compile", "eager",
+                            "--compile-cache", "/proc/portharness-cc", "--quiet"])
+    assert "cannot write /proc/portharness-cc" in line, line
     # the default, <db>-compile-cache beside the DB, is checked as well
     (tmp_path / "r-compile-cache").write_text("in the way\n")
     line = refused(capsys, ["run", "--list", str(lst), "--db", str(db), *EXACT, "--compile", "eager", "--quiet"])

@@ -194,9 +194,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
                          rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
-    fleet = plan(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
-    # or a new file we can create) and --report can be written: checked before the banner and any write
+    # or a new file we can create), --report can be written, the caches kept: checked before the banner and any
+    # write, and before a Ray instance is started for the fleet
     check_writable(args.db)
     if args.report:
         from harness.report import check_out
@@ -204,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_out(args.report)
     config.ref_cache = _ref_cache(args, args.db)
     check_compile_cache(config, args.db)
+    fleet = plan(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     except OSError as e:

@@ -77,8 +77,10 @@ def compile_cache_root(config: RunConfig, db: str | os.PathLike) -> str:
 
 def check_compile_cache(config: RunConfig, db: str | os.PathLike) -> None:
     """OutputError (one line, before the banner) unless a compiled run can keep its caches where it would:
-    a file there, or above it, made every model its own crash."""
+    a file there or above it, or storage that refuses writes, made every model its own crash."""
     if "compile" in config.settings:
-        from harness.files import check_writable
+        from harness.files import check_writable, probe_writable
 
-        check_writable(compile_cache_root(config, db), create_parents=True, directory=True)
+        root = compile_cache_root(config, db)
+        check_writable(root, create_parents=True, directory=True)
+        probe_writable(root)
