@@ -109,7 +109,7 @@ def cmd_trend(args: argparse.Namespace) -> int:
     if args.trend_command == "append":
         print(trend.append_night(args.db, args.history, date=args.date, summary=args.summary))
         return 0
-    if not Path(args.history).is_file():
+    if not Path(args.history).exists():  # a directory, a FIFO: read_history names the trouble
         raise FileNotFoundError(f"history file {args.history} does not exist")
     entries = trend.read_history(args.history)
     print(json.dumps(entries, indent=1) if args.json else trend.format_history(entries))
