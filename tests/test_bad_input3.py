@@ -210,6 +210,8 @@ def test_options_that_cannot_act_are_refused(tmp_path: Path, capsys: pytest.Capt
                            (["--compile-cache", str(tmp_path / "cc")], f"--compile-cache {tmp_path / 'cc'}: only with --compile"),
                            (["--compile-timeout", "30"], "--compile-timeout 30.0: only with --compile"),
                            (["--slow-ops", "aten::softmax:3"], "--slow-ops 'aten::softmax:3': only with --perf"),
+                           (["--backend-timeout", "30"], "--backend-timeout 30: only with --backend MODULE"),
+                           (["--backend-timeout", "0"], "--backend-timeout 0: must be > 0 seconds"),
                            (["--numerics-bug", "cache-off-by-one"], "cache-off-by-one: only with --mode generate"),
                            (["--numerics-bug", "gelu-mixup,cache-off-by-one", "--mode", "train"],
                             "cache-off-by-one: only with --mode generate")):
