@@ -151,10 +151,12 @@ def test_the_fresh_cache_retry_blames_only_what_it_must(tmp_path: Path) -> None:
     from harness.run.configs import retry_in_fresh_cache
 
     shared = tmp_path / "shared"
-    for rel, data in (("ab/cab.so", b"x" * 100), ("ab/other.so", b"kept"), ("fxgraph/f1/fkey/e1", b"old")):
+    for rel, data in (("ab/cab.so", b"x" * 100), ("ab/other.so", b"kept"), ("fxgraph/f1/fkey/e1", b"old"),
+                      ("zz/cmod.py", b"def call(args):\n    return (")):
         (shared / rel).parent.mkdir(parents=True, exist_ok=True)
         (shared / rel).write_bytes(data)
-    failed = {"outcome": "compile_fail", "error_message": f"g++ {shared}/ab/cab.cpp: error: 'at::vec' has not been declared"}
+    failed = {"outcome": "compile_fail", "error_message": f"g++ {shared}/ab/cab.cpp: error: 'at::vec' has not been declared",
+              "traceback": f'  File "{shared}/zz/cmod.py", line 2\nSyntaxError: unexpected EOF'}  # named only here
 
     def passes_there(fresh: str) -> dict:
         for rel in ("ab/cab.so", "fxgraph/f1/fkey/e2", "locks/cab.lock"):

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -115,9 +116,28 @@ def cache_suspect(directory: str, fields: dict[str, Any], eager_outcome: str) ->
     compiled code (warm, mixed) and the same step passes eagerly on the same device."""
     if not directory or fields.get("outcome") not in RETRIED or fields.get("device_fault"):
         return False
-    text = f"{fields.get('error_message') or ''}\n{fields.get('traceback') or ''}"
-    named = any(d in text for d in {directory, os.path.abspath(directory), os.path.realpath(directory)})
+    named = any(d in _error_text(fields) for d in _spellings(directory))
     return named or (fields.get("compile_cache") in ("warm", "mixed") and eager_outcome in PASSING)
+
+
+def _error_text(fields: dict[str, Any]) -> str:
+    return f"{fields.get('error_message') or ''}\n{fields.get('traceback') or ''}"
+
+
+def _spellings(directory: str) -> set[str]:
+    return {directory, os.path.abspath(directory), os.path.realpath(directory)}
+
+
+def _named_files(directory: str, fields: dict[str, Any]) -> list[Path]:
+    """The files inside `directory` that the failure's message or traceback names (a module that does not
+    load, a kernel that does not build): generated modules are named by a digest of code that holds the
+    cache's own path, so a compile into another directory names them differently."""
+    text = _error_text(fields)
+    found = set()
+    for d in _spellings(directory):
+        for m in re.finditer(re.escape(d.rstrip(os.sep) + os.sep) + r"[^\s'\",:;()\[\]]+", text):
+            found.add(Path(m.group(0)))
+    return sorted(found)
 
 
 def retry_in_fresh_cache(directory: str, failed: dict[str, Any], eager_outcome: str,
@@ -138,19 +158,20 @@ def retry_in_fresh_cache(directory: str, failed: dict[str, Any], eager_outcome: 
             note = "the same in a fresh compile cache: not the cache's"
             again["error_message"] = (f"{again['error_message']}; {note}" if again.get("error_message") else note)[:2000]
             return again
-        drop_entries(directory, fresh)
+        drop_entries(directory, fresh, also=_named_files(directory, failed))
     again["compile_cache"] = "rebuilt"
     return again
 
 
-def drop_entries(directory: str, fresh: str) -> int:
+def drop_entries(directory: str, fresh: str, also: Iterable[Path] = ()) -> int:
     """Remove from the cache `directory` what a compile into the empty cache `fresh` made (kernels, modules
-    and probe libraries by name; FX graph and AOTAutograd entries by key, every entry of the key): a
-    damaged copy is among them. Returns the paths removed; one that cannot be is left (it is retried)."""
+    and probe libraries by name; FX graph and AOTAutograd entries by key, every entry of the key) and the
+    files `also` names: a damaged copy is among them. Returns the paths removed; one that cannot be is left
+    (it is retried)."""
     from harness import files
 
     shared, new = Path(directory), Path(fresh)
-    targets: set[Path] = set()
+    targets: set[Path] = {p for p in also if p.is_file()}
     for f in new.rglob("*"):
         rel = f.relative_to(new)
         if f.is_file() and rel.parts[0] != "locks":
