@@ -137,6 +137,7 @@ class OpShift:
     base_us: float  # per step, scaled to the head run's machine speed
     head_us: float
     share: float  # of the time the head run added (head total - scaled base total)
+    at_least: bool = False  # the base profile did not keep the op: base_us is the most it can have had
 
     @property
     def factor(self) -> float:
@@ -148,7 +149,8 @@ def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
     that added the most time first. ``scale`` multiplies the base's times: the head run's machine speed
     relative to the base run's (the CPU reference's median latency, head over base), so that a machine
     that was merely busier does not make every op look slower. [] when a profile is missing or nothing
-    was added."""
+    was added. Only what both sides measured is compared: an op the base's profile did not keep counts at
+    the most it can have had there (`unseen_us`), never as new."""
     if not base or not head or not base.get("ops") or not head.get("ops"):
         return []
     b_ops = {k: float(v) * scale for k, v in _pairs(base["ops"])}
@@ -156,9 +158,23 @@ def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
     added = float(head.get("total_us") or sum(h_ops.values())) - float(base.get("total_us") or sum(b_ops.values())) * scale
     if added <= 0:
         return []
-    out = [OpShift(op, b_ops.get(op, 0.0), h_ops.get(op, 0.0), (h_ops.get(op, 0.0) - b_ops.get(op, 0.0)) / added)
-           for op in b_ops.keys() | h_ops.keys()]
+    unseen = unseen_us(base) * scale
+    out = [OpShift(op, b_ops.get(op, unseen), h, (h - b_ops.get(op, unseen)) / added, op not in b_ops)
+           for op, h in h_ops.items()]  # an op the head did not keep cannot be shown to have grown
     return sorted((s for s in out if s.head_us > s.base_us), key=lambda s: (-s.share, s.op))
+
+
+KEEP_SHARE, KEEP_OPS = 0.001, 40  # what a row's op profile keeps (`top_ops`)
+
+
+def unseen_us(profile: Mapping[str, Any]) -> float:
+    """The most self time an op missing from `profile` can have had: a row's keeps the ops of at least
+    KEEP_SHARE of the total, KEEP_OPS at most; a committed baseline says what it dropped (``floor_us``)."""
+    if profile.get("floor_us") is not None:
+        return float(profile["floor_us"])
+    kept = [us for _, us in _pairs(profile.get("ops") or [])]
+    floor = KEEP_SHARE * float(profile.get("total_us") or 0)
+    return max(floor, min(kept)) if len(kept) >= KEEP_OPS else floor
 
 
 def _pairs(ops: Any) -> list[tuple[str, float]]:
@@ -173,7 +189,8 @@ def explain(shift: Shift, ops: list[OpShift], *, scale: float = 1.0, base: Mappi
     if not ops:
         return text + ("; the op profiles do not show the added time" if base and head else "; no op profile to compare")
     top = ops[0]
-    what = "new in this run" if math.isinf(top.factor) else f"{top.factor:.1f}x"
+    what = ("new in this run" if math.isinf(top.factor) else
+            f"at least {top.factor:.1f}x" if top.at_least else f"{top.factor:.1f}x")
     overall = _overall(base, head, scale)
     if overall is not None and not math.isinf(top.factor) and top.factor <= overall * 1.1:
         return f"{text}; slower across ops (largest added: {top.op} {what}, {top.share:.0%} of the added time)"
@@ -188,7 +205,7 @@ def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, sca
     return h / b if b > 0 and h > 0 else None
 
 
-def top_ops(self_us: Mapping[str, float], *, min_share: float = 0.001, limit: int = 40) -> list[list[Any]]:
+def top_ops(self_us: Mapping[str, float], *, min_share: float = KEEP_SHARE, limit: int = KEEP_OPS) -> list[list[Any]]:
     """The ops worth keeping from a profile: ``[op, µs]`` pairs with at least ``min_share`` of the self time,
     at most ``limit``, largest first (a row keeps this, not the whole profile; a list keeps the order
     through JSON, whose objects the store writes with sorted keys)."""

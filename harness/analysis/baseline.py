@@ -179,14 +179,11 @@ def write_expected(path: str | os.PathLike, config: Config, rows: list[Expected]
 
 def read_expected_header(p: Path, *, what: str = "expected file") -> tuple[Config, list[tuple[int, str]]]:
     """The configuration a baseline file's ``#`` header names, and its other non-empty lines (numbered)."""
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"{what} {p} does not exist; create it with `portharness baseline update`")
     header: dict[str, str] = {}
     body: list[tuple[int, str]] = []
-    try:
-        text = csvio.read_text(p)  # a spreadsheet's byte-order mark is not part of the first line
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{p}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    text = csvio.read_text(p, what)  # a spreadsheet's byte-order mark is not part of the first line
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("#"):
             key, sep, value = line[1:].partition(":")
@@ -240,10 +237,8 @@ def read_flaky(path: str | os.PathLike) -> dict[str, str]:
     so the list says why each model is excused (ValueError ``path:line`` otherwise).
     """
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"flaky list {p} does not exist")
     out: dict[str, str] = {}
-    for n, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), 1):
+    for n, line in enumerate(files.read_text(p, "--flaky").splitlines(), 1):
         entry, _, reason = line.partition("#")
         entry, reason = entry.strip(), reason.strip()
         if not entry:

@@ -194,8 +194,7 @@ def read_opinfo(source: pd.DataFrame | str | os.PathLike) -> pd.DataFrame:
         table = source.copy()
     else:
         path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"OpInfo table {path} does not exist")
+        csvio.read_text(path, "--opinfo")  # a missing, unreadable or non-UTF-8 file: one line naming it
         table = csvio.read_frame(path)
     missing = [c for c in OPINFO_COLUMNS if c not in table.columns]
     if missing:

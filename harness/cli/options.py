@@ -7,7 +7,7 @@ import functools
 import os
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
@@ -35,6 +35,14 @@ def _version() -> str:
     v = versions()
     return (f"portharness {v['harness_version']} (torch {v['torch_version'] or 'not installed'}, "
             f"transformers {v['transformers_version'] or 'not installed'})")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other bad input is (`--help` stays whole).
+    Subcommands' parsers are of the same class (argparse makes them with ``type(parent)``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
 
 
 def _target_options(p: argparse.ArgumentParser) -> None:
@@ -93,12 +101,12 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     p.add_argument("--slow-ops", dest="slow_ops", default=None, metavar="SPEC",
-                   help="sim: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower; comma-separated) to see "
-                        "the speed gate catch them")
+                   help="sim, with --perf: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower, 1 to 1000; "
+                        "comma-separated) to see the speed gate catch them")
     p.add_argument("--perf", action="store_true",
                    help="after the verdict, time the step on the target and the CPU reference (interleaved, "
                         "synchronized), profile the target's ops, record the device's peak memory")
-    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=None, metavar="SECONDS",
                    help="with --perf: seconds of timed rounds per model, after warm-up (default 1; at least 5 rounds)")
     _config_options(p)
     _backend_option(p)
@@ -123,10 +131,11 @@ def _config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                    help="run the target's step under torch.autocast(<device>, dtype); the expected reference under "
                         "torch.autocast('cpu', dtype) (contracts amp-bf16, amp-fp16); fp16 training scales the loss")
-    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="seconds the compiler may run for one model (its own budget, apart from --timeout; default 600)")
+    p.add_argument("--compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --compile: seconds the compiler may run for one model (its own budget, apart from "
+                        "--timeout; default 600)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
+                   help="with --compile: Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
                         "~/.cache/portharness/compile-cache for check without --db)")
     p.add_argument("--compiler-bug", dest="compiler_bug", default=None, metavar="KIND",
                    help="sim: plant a compiler-only bug in Inductor's generated code (erf-tanh), with --compile inductor")
@@ -151,8 +160,8 @@ def _perf_gate_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="portharness",
-               description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
+    ap = Parser(prog="portharness",
+                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True)
 

@@ -53,12 +53,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if not args.perf_regression > 1:
         raise ValueError(f"--perf-regression {args.perf_regression}: must be > 1 (1.2 = 20% slower)")
     perf_allowlist = read_allowlist(args.perf_allowlist)  # before anything is read or printed
+    flaky_allowlist = load_allowlist(args.flaky_allowlist)
     (base_id, base_df), (head_id, head_df) = resolve_runs(
         db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
-                    flaky_allowlist=load_allowlist(args.flaky_allowlist), perf_threshold=args.perf_regression,
-                    perf_allowlist=perf_allowlist)
+                    flaky_allowlist=flaky_allowlist, perf_threshold=args.perf_regression, perf_allowlist=perf_allowlist)
     print(json.dumps(res.to_dict(), indent=1) if args.json else terminal_text(format_summary(res)))
     return 1 if res.failed else 0
 
@@ -117,7 +117,7 @@ def cmd_trend(args: argparse.Namespace) -> int:
     if args.trend_command == "append":
         print(trend.append_night(args.db, args.history, date=args.date, summary=args.summary))
         return 0
-    if not Path(args.history).is_file():
+    if not Path(args.history).exists():  # a directory, a FIFO: read_history names the trouble
         raise FileNotFoundError(f"history file {args.history} does not exist")
     entries = trend.read_history(args.history)
     print(json.dumps(entries, indent=1) if args.json else trend.format_history(entries))

@@ -275,7 +275,10 @@ def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> Non
     the supervisor's to handle (it stops every child): a child ignores it rather than print a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
-    conn.send({"type": "ready", "pid": os.getpid()})
+    try:
+        conn.send({"type": "ready", "pid": os.getpid()})
+    except OSError:  # the supervisor stopped (SIGTERM, Ctrl-C) while this child started: no traceback
+        return
 
     def phase(name: str) -> None:
         conn.send({"type": "phase", "name": name})

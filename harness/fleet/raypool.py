@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from harness.fleet.pool import Event, ExecutorError
 
 RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
 CONNECT_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 5.0  # one Ray call to what answers at --ray-address
 PEEK_TIMEOUT_S = 30.0
 AUTOPSY_TIMEOUT_S = 60.0
 # faulthandler's words for the fatal signals it reports
@@ -86,6 +88,63 @@ def _reachable(address: str) -> None:
     except OSError as e:
         raise ValueError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the cluster "
                          "(`ray start --head` on its head node) or fix the address") from None
+    why = _not_ray(address, host, port)
+    if why:
+        raise ValueError(f"--ray-address {address}: something answers there, but it is not a Ray cluster ({why}); "
+                         "give the head's GCS address (HOST:6379, what `ray start --head` prints) or its Ray Client "
+                         "server (ray://HOST:10001)")
+
+
+# One call Ray's own server answers at once: the GCS's GetClusterId (HOST:PORT), the Ray Client server's PING
+# (ray://). Made in a child process: gRPC and Ray log natively to the stderr of the process that calls them.
+_PROBE = r"""
+import sys
+import grpc
+target, client, seconds = sys.argv[1], sys.argv[2] == "client", float(sys.argv[3])
+if client:
+    from ray.core.generated import ray_client_pb2 as pb, ray_client_pb2_grpc as rpc
+    call = rpc.RayletDriverStub(grpc.insecure_channel(target)).ClusterInfo
+    request = pb.ClusterInfoRequest(type=pb.ClusterInfoType.PING)
+else:
+    from ray.core.generated import gcs_service_pb2 as pb, gcs_service_pb2_grpc as rpc
+    call = rpc.NodeInfoGcsServiceStub(grpc.insecure_channel(target)).GetClusterId
+    request = pb.GetClusterIdRequest()
+try:
+    call(request, timeout=seconds)
+except grpc.RpcError as e:
+    print(e.code().name, (e.details() or "").strip().splitlines()[0][:200] if e.details() else "")
+else:
+    print("OK")
+"""
+_RAY_ANSWERS = ("OK", "UNAUTHENTICATED", "PERMISSION_DENIED")  # Ray's server knew the call
+
+
+def _not_ray(address: str, host: str, port: int) -> str:
+    """Why what answers at `address` is not Ray's GCS or Ray Client server ("" if it is), within
+    PROBE_TIMEOUT_S: Ray's own connect retries for minutes, printing its native warnings."""
+    client = address.startswith("ray://")
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE, f"{host}:{port}", "client" if client else "gcs",
+                            str(PROBE_TIMEOUT_S)], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S + 25,
+                           env={**os.environ, "GRPC_VERBOSITY": "NONE", "RAY_USAGE_STATS_ENABLED": "0"})
+    except subprocess.TimeoutExpired:
+        return f"no answer to a Ray call within {PROBE_TIMEOUT_S:g}s"
+    words = r.stdout.strip().split(" ", 1)
+    code, detail = (words + [""])[:2] if words and words[0] else ("", "")
+    if r.returncode != 0 or not code:
+        last = (r.stderr.strip().splitlines() or ["the probe failed"])[-1]
+        return f"the probe could not ask it: {last[:200]}"
+    if code in _RAY_ANSWERS:
+        return ""
+    if code == "DEADLINE_EXCEEDED":
+        return f"no answer to a Ray call within {PROBE_TIMEOUT_S:g}s"
+    if code == "UNIMPLEMENTED":
+        return "a gRPC server without Ray's " + ("Ray Client service" if client else "GCS service")
+    if "http1" in detail:
+        return "it speaks HTTP/1 (a web server or an HTTP proxy), not gRPC"
+    if "Failed parsing HTTP/2" in detail or "Socket closed" in detail or "Connection reset" in detail:
+        return "it does not answer in gRPC (HTTP/2): another service, or a proxy to one"
+    return f"a Ray call got {code}" + (f": {detail[:150]}" if detail else "")
 
 
 def connect(address: str | None, target: str) -> None:

@@ -26,7 +26,7 @@ from harness.fleet import policy, quiet
 from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
 from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
-from harness.fleet.runconfig import RunConfig
+from harness.fleet.runconfig import RunConfig, compile_cache_root
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
@@ -134,8 +134,7 @@ class _Run:
         self.run_id = run_id
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
         self.compile_cache = "" if "compile" not in settings else cache_dir(
-            config.compile_cache or str(store.path.with_name(store.path.stem + "-compile-cache")),
-            adapter.compile_cache_tag())
+            compile_cache_root(config, store.path), adapter.compile_cache_tag())
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         sizes = {e.id: e.params or (1.0 if "slow" in e.tags else None) for e in entries}  # `slow`: a time hint

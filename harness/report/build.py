@@ -434,7 +434,7 @@ def build_report(
     out = Path(out_dir)
     env = _env()
     data = _load(db_path, run_id, base_run, base_db, night)
-    if history is not None and not Path(history).is_file():
+    if history is not None and not Path(history).exists():  # anything else: read_history says what
         raise FileNotFoundError(f"history file {history} does not exist")
     entries = read_history(history) if history is not None else None  # read (and checked) before writing
     check_out(out)

@@ -24,10 +24,11 @@ from typing import Any
 # The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
 # the cache has {"s": 0, "cached": true}). `confirm`: a pass within the declared precision, run again at the
-# device's highest; `eager`: a compiled row that did not pass, run again eagerly;
+# device's highest; `eager`: a compiled row that did not pass, run again eagerly; `recompile`: compiled again in a
+# fresh compile cache, where the run's own may have caused the failure;
 # `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
 PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "confirm",
-          "eager", "perf")
+          "eager", "recompile", "perf")
 COMPILE_PHASE = "compile"
 # What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
 PHASE_DOING = {
@@ -41,7 +42,9 @@ PHASE_DOING = {
     "target": "running on the target",
     "compare": "comparing the outputs",
     "localize": "localizing the drift module by module",
+    "confirm": "confirming a declared-precision pass at the device's highest precision",
     "eager": "running the step eagerly to see whose failure it is",
+    "recompile": "compiling again in a fresh compile cache (the run's own may have caused the failure)",
     "perf": "timing the step (--perf)",
     COMPILE_PHASE: "compiling the target's step ({compile}; a cold Inductor cache takes minutes, later runs reuse it)",
 }
@@ -152,7 +155,8 @@ class Measurement:
     graph_break_reasons: list = field(default_factory=list)  # the first three, one line each
     recompiles: int | None = None
     compile_s: float | None = None  # the compiler's wall time (Dynamo, AOTAutograd, the backend)
-    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed
+    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed; rebuilt
+    # (the run's cache failed it: compiled again in a fresh one, the damaged entries dropped)
     eager_outcome: str = ""  # a compiled row that did not pass: the same step, eager, on the same device
     amp_step_skipped: str = ""  # --amp fp16 train: the loss scaler skipped the step on "both" sides, the "target
     # only" (drift), or the "reference only" (its gradients overflowed: the loss is what is judged)

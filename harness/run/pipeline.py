@@ -121,16 +121,24 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
 
     judged = first_variant(run)
-    fields, last = _attempt(run, judged, after)
-    out.update(fields)
+    row, last = _attempt(run, judged, after)  # the verdict's fields; follow-ups may amend or replace them
+
+    def rerun(variant: Variant) -> dict[str, Any]:
+        return _own(_attempt(run, variant)[0])
+
     for follow in FOLLOW_UPS:
-        variant = follow.after(run, judged, out)
+        variant = follow.after(run, judged, row)
         if variant is None:
             continue
         fields, target = _attempt(run, variant)
-        if follow.merge(run, out, {k: v for k, v in fields.items() if not k.startswith("_")}):
+        if follow.merge(run, row, variant, _own(fields), rerun):
             judged, last = variant, target or last
-    del last
+    out.update(row)
+
+
+def _own(fields: dict[str, Any]) -> dict[str, Any]:
+    """A follow-up run's row fields, without the first run's bookkeeping (its timings stay the row's)."""
+    return {k: v for k, v in fields.items() if not k.startswith("_")}
 
 
 def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str, Any]]] | None = None
@@ -142,7 +150,8 @@ def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str,
     clock = run.clock
     target = None
     own = contextlib.nullcontext() if variant.first else clock.phase(variant.phase)
-    with own, compile_cache(run.task.compile_cache) if variant.cfg.compiled else contextlib.nullcontext():
+    cache = variant.cache if variant.cache is not None else run.task.compile_cache
+    with own, compile_cache(cache) if variant.cfg.compiled else contextlib.nullcontext():
         try:
             watch = CompileWatch(clock.announce, lambda: clock.current) if variant.cfg.compiled else None
             with clock.phase(variant.phase) if variant.first else contextlib.nullcontext():
