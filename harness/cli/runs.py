@@ -141,7 +141,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import run_models
     from harness.outcomes import PASSING
-    from harness.results.store import ResultStore, check_writable
+    from harness.results.store import ResultStore
+    from harness.results.writable import check_writable
 
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
@@ -179,7 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.models.model_list import load_model_list
     from harness.results.dbfile import StoreWriteError
-    from harness.results.store import check_writable
+    from harness.results.writable import check_writable
 
     entries = load_model_list(args.list)
     if args.only:
