@@ -402,7 +402,7 @@ def test_db_from_before_the_fault_table(tmp_path, monkeypatch: pytest.MonkeyPatc
     con.commit()
     con.close()
     with monkeypatch.context() as m:
-        m.setattr("harness.results.store._may_write", lambda path: False)  # read-only (root ignores chmod)
+        m.setattr("harness.results.store.may_write", lambda path: False)  # read-only (root ignores chmod)
         with ResultStore(db, create=False) as st:
             assert st.read_only and st.collective_faults().empty
             assert st.latest_run(has_collective_faults=True) is None and st.raw_rows("collective_faults") == []

@@ -295,7 +295,7 @@ def test_read_only_db_is_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     db = tmp_path / "ro.db"
     rid = _make_shard(db, "1/1", ["m1", "m2"])
     before = _digest(db)
-    monkeypatch.setattr("harness.results.store.os.access", lambda *a, **k: False)  # root ignores chmod
+    monkeypatch.setattr("harness.results.writable.os.access", lambda *a, **k: False)  # root ignores chmod
     with ResultStore(db, create=False) as st:
         assert st.read_only and st.finished_ids(rid) == {"m1", "m2"}
         with pytest.raises(StoreError, match="read-only"):
