@@ -13,7 +13,16 @@ from busy_host import busy_neighbours, neighbour_count
 
 import harness.run.perf as perf
 from harness import speed
-from harness.analysis.perfgate import DRIFT, FASTER, INCONCLUSIVE, REGRESSION, UNCHANGED, disturbance, gate, judge
+from harness.analysis.perfgate import (
+    DRIFT,
+    FASTER,
+    INCONCLUSIVE,
+    REGRESSION,
+    UNCHANGED,
+    disturbance,
+    gate,
+    judge,
+)
 
 QUIET = {"wait_share": 0.01, "others_cores": 0.05, "load_per_core": 0.9, "psi_some_avg10": 1.0, "spread": 0.03}
 WAITED = {**QUIET, "wait_share": 0.55}
@@ -103,7 +112,7 @@ def test_disturbance_names_each_sign_over_its_limit() -> None:
     assert said == ["timed beside the run's other workers (ran_alone false)",
                     "the timed thread waited for a CPU 55% of the time",
                     "other processes kept 1.6 core(s) busy beside it", "load average 8.0 per core",
-                    "its rounds spread 25% (interquartile range / median)"]
+                    "its rounds spread 25% (interquartile / median)"]
 
 
 # ----------------------------------------------------------------------------------------------

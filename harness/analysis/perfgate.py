@@ -135,7 +135,7 @@ DISTURBED: tuple[tuple[str, float, str], ...] = (
     ("wait_share", 0.10, "the timed thread waited for a CPU {:.0%} of the time"),
     ("others_cores", 0.5, "other processes kept {:.1f} core(s) busy beside it"),
     ("load_per_core", 2.0, "load average {:.1f} per core"),
-    ("spread", 0.15, "its rounds spread {:.0%} (interquartile range / median)"),
+    ("spread", 0.15, "its rounds spread {:.0%} (interquartile / median)"),
 )
 # How far two identical runs on a disturbed host move apart that their own intervals do not cover (smoke on
 # sim, 2 cores, one CPU-bound and one memory-bound neighbour per core, load 15-26: ratios up to 1.17x, and
@@ -166,8 +166,9 @@ def judge(shift: speed.Shift, base: Mapping[str, Any], head: Mapping[str, Any], 
     ``faster`` or ``unchanged``. With neither side disturbed, the shift's own verdict. With either side
     disturbed, the interval widened by `DRIFT`: a regression (or faster) only beyond it; inconclusive where
     the widened interval reaches the threshold, so a real slowdown the host hid is never passed as unchanged."""
-    why = "; ".join(f"{side}: {', '.join(d)}" for side, d in (("base", disturbance(base)), ("head", disturbance(head)))
-                    if d)
+    b, h = disturbance(base), disturbance(head)
+    sides = [("base and head", b)] if b == h else [("base", b), ("head", h)]
+    why = "; ".join(f"{side}: {', '.join(d)}" for side, d in sides if d)
     lo, hi = (shift.lo / DRIFT, shift.hi * DRIFT) if why else (shift.lo, shift.hi)
     if shift.slowdown >= threshold and lo > 1:
         own = _own_step(base, head)
