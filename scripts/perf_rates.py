@@ -253,9 +253,10 @@ def measure_host(args: argparse.Namespace, out: Path, host: str) -> dict[str, An
                             true_slowdowns(args, label, out)) for label in plants(args)}
     perf_s = [r["phases"]["perf"]["s"] for r in b.to_dict("records")
               if isinstance(r.get("phases"), dict) and "perf" in r["phases"]]
+    waits = [float(r["perf"].get("quiet_wait_s") or 0) for r in b.to_dict("records") if isinstance(r.get("perf"), dict)]
     return {"walls_s": walls, "false_positives": false_positives(a, b, args.threshold), "planted": planted,
             "cost": walls["clean_b"] / walls["no_perf"] if walls.get("no_perf") else None,
-            "perf_phase_s": {"models": len(perf_s), "total": round(sum(perf_s), 1)}}
+            "perf_phase_s": {"models": len(perf_s), "total": round(sum(perf_s), 1), "waits": round(sum(waits), 1)}}
 
 
 def table(result: dict[str, Any], threshold: float) -> list[str]:
@@ -281,6 +282,7 @@ def table(result: dict[str, Any], threshold: float) -> list[str]:
         f"= {r['cost']:.1f}x") if r.get("cost") else "-")
     add("perf phase, worker time (clean B)", lambda r: f"{r['perf_phase_s']['total']:.0f} s, "
         f"{r['perf_phase_s']['models']} models")
+    add("  waiting for the host alone", lambda r: f"{r['perf_phase_s'].get('waits', 0):.0f} s")
     width = max(len(label) for label, _ in rows) + 2
     cols = [max(len(h), *(len(c[i]) for _, c in rows)) + 2 for i, h in enumerate(hosts)]
     head = f"threshold {threshold:g}x"

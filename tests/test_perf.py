@@ -45,6 +45,12 @@ def test_check_perf_reports_latency_spread_rounds_and_profile() -> None:
     assert row["perf_peak_mem_mb"] > 0  # sim's device module reports its allocations
     ops = dict(perf["profile"]["ops"])
     assert "aten::addmm" in ops and perf["profile"]["total_us"] >= sum(ops.values()) * 0.99
+    # the profile on the step's clock, held against the timed step; the host's signs over the rounds
+    prof = perf["profile"]
+    assert prof["clock"] == "thread-cpu" and prof["step_us"] == pytest.approx(perf["target"]["median"] * 1e6, rel=1e-3)
+    assert prof["covers"] == pytest.approx(prof["total_us"] / prof["step_us"], rel=1e-2)
+    assert 0.9 <= prof["covers"] <= 1.1 or "per step" in prof["note"]
+    assert {"wait_share", "load_per_core", "spread"} <= perf["host"].keys()
     assert "perf" in row["phases"] and row["perf_speedup"] is None  # no --compile: nothing to speed up
     human = "\n".join(verdict_lines(row))  # what `check` without --json prints of the same row
     assert "target/reference" in human and "slowest ops (self time)" in human and "aten::addmm" in human
