@@ -173,8 +173,8 @@ class HostWatch:
     """The host's disturbance over a window of the calling thread (the timed rounds). Thread CPU time is
     not stretched by waiting, but it does grow with what shares the cores' caches and the memory bus, so
     a gate needs both: how long this thread waited while runnable (its schedstat) and how much other work
-    ran beside it (/proc/stat's busy CPUs less this thread's own time), with the 1-minute load per core
-    and PSI for the reader."""
+    ran beside it (/proc/stat's busy CPUs less this thread's own time); the 1-minute load per core (a
+    lagging sign, the run's own workers in it) and PSI ``cpu some avg10`` beside them."""
 
     def __init__(self) -> None:
         self._wall = time.perf_counter_ns()
