@@ -4,7 +4,7 @@ clean runs flag a model (false positives), how often a planted slowdown is caugh
 how many models the gate leaves inconclusive, and what --perf costs.
 
     python scripts/perf_rates.py --list smoke --out artifacts/perf-rates [--jobs 2]
-        [--slow-ops aten::softmax:3 ...] [--plant layer_norm:12 ...] [--busy cpu,mem] [--hosts quiet,busy]
+        [--slow-ops aten::addmm:2 ...] [--plant layer_norm:12 ...] [--busy cpu,mem] [--hosts quiet,busy]
         [--settings "--attn eager"] [--no-cost] [--reuse]
 
 For each host (``quiet``: nothing started here, whatever else the machine runs is printed beside; ``busy``:
@@ -295,7 +295,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", default="smoke")
     ap.add_argument("--out", default="artifacts/perf-rates")
-    ap.add_argument("--slow-ops", action="append", default=None, help="a planted run per sim spec (default aten::softmax:3)")
+    ap.add_argument("--slow-ops", action="append", default=None,
+                    help="a planted run per sim spec (default aten::addmm:2: most models' largest op, so most models "
+                         "get a slowdown to catch; softmax only where attention is eager)")
     ap.add_argument("--plant", action="append", default=None,
                     help="a planted run per tests/planted_slowdown.py spec (default layer_norm:12)")
     ap.add_argument("--hosts", default="quiet,busy", help="which hosts to measure, in this order (default quiet,busy)")
@@ -309,7 +311,7 @@ def main() -> int:
     ap.add_argument("--perf-budget", type=float, default=1.0, help="--perf-budget of the paired measurement")
     ap.add_argument("--paired", default=None, help=argparse.SUPPRESS)  # the child of `true_slowdowns`
     args = ap.parse_args()
-    args.slow_ops = args.slow_ops if args.slow_ops is not None else ["aten::softmax:3"]
+    args.slow_ops = args.slow_ops if args.slow_ops is not None else ["aten::addmm:2"]
     args.plant = args.plant if args.plant is not None else ["layer_norm:12"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
