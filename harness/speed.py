@@ -146,25 +146,28 @@ class OpShift:
 
 
 def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, added_us: float | None = None,
-              faster: bool = False) -> list[OpShift]:
+              scale: float = 1.0, faster: bool = False) -> list[OpShift]:
     """Per op, its self time per step in both profiles (``{"ops": [[op, us], ...], "total_us": us}``, per-step
     times on the step's clock), the ops that added the most time first (``faster``: that saved the most).
 
-    Each op's share is of ``added_us``, the step's own added time on the same clock (head median minus base
-    median): one kernel change then has one share whichever model it is in, and time added between ops
-    (Python) is nobody's op. Without it, of the profiles' totals' difference. An op one side does not list
-    counts as absent there only when that side's list is complete (a perf baseline keeps only its top ops).
-    [] when a profile is missing or nothing was added (saved)."""
+    Each op's share is of ``added_us``, the step's own added time on the same clock: one kernel change then
+    has one share whichever model it is in, and time added between ops (Python) is nobody's op. Without it,
+    of the profiles' totals' difference. ``scale`` multiplies the base's times into the head run's terms:
+    the host's part of the step's change (a busier host's caches make every op slower alike), so that
+    what is left is the code's. An op one side does not list counts as absent there only when that side's
+    list is complete (a perf baseline keeps only its top ops). [] when a profile is missing or nothing
+    was added (saved)."""
     if not base or not head or not base.get("ops") or not head.get("ops"):
         return []
-    b_ops, h_ops = dict(_pairs(base["ops"])), dict(_pairs(head["ops"]))
+    b_ops = {k: v * scale for k, v in _pairs(base["ops"])}
+    h_ops = dict(_pairs(head["ops"]))
     sign = -1.0 if faster else 1.0
     if added_us is None or not sign * added_us > 0:
-        added_us = _total(head, h_ops) - _total(base, b_ops)
+        added_us = _total(head, h_ops) - _total(base, dict(_pairs(base["ops"]))) * scale
     if not sign * added_us > 0:
         return []
     ops = (b_ops.keys() & h_ops.keys()) | (b_ops.keys() if _complete(head, h_ops) else set()) | (
-        h_ops.keys() if _complete(base, b_ops) else set())
+        h_ops.keys() if _complete(base, b_ops, scale) else set())
     out = [OpShift(op, b_ops.get(op, 0.0), h_ops.get(op, 0.0), (h_ops.get(op, 0.0) - b_ops.get(op, 0.0)) / added_us)
            for op in ops]
     return sorted((s for s in out if sign * (s.head_us - s.base_us) > 0), key=lambda s: (-s.share, s.op))
@@ -178,16 +181,16 @@ def _total(prof: Mapping[str, Any], ops: Mapping[str, float]) -> float:
     return float(prof.get("total_us") or sum(ops.values()))
 
 
-def _complete(prof: Mapping[str, Any], ops: Mapping[str, float]) -> bool:
+def _complete(prof: Mapping[str, Any], ops: Mapping[str, float], scale: float = 1.0) -> bool:
     """The listed ops hold (nearly) all of the profile's time: an op it does not list did not run."""
-    return sum(ops.values()) >= 0.99 * _total(prof, ops)
+    return sum(ops.values()) >= 0.99 * scale * float(prof.get("total_us") or sum(ops.values()) / scale)
 
 
 MIN_SHARE = 0.25  # an op named as the cause holds at least this share of the added time
 
 
 def explain(shift: Shift, ops: list[OpShift], *, base: Mapping[str, Any] | None = None,
-            head: Mapping[str, Any] | None = None) -> str:
+            head: Mapping[str, Any] | None = None, scale: float = 1.0) -> str:
     """``1.62x slower [1.55-1.70]; aten::_softmax self time 4.1x (62% of the added time)``, or for a
     speed-up ``1.40x faster [...]; aten::_softmax self time 4.1x less (80% of the time saved)``; when every
     op moved about alike, says so and names the largest contributor instead."""
@@ -202,7 +205,7 @@ def explain(shift: Shift, ops: list[OpShift], *, base: Mapping[str, Any] | None 
     what = ("new in this run" if slower else "gone in this run") if math.isinf(factor) else (
         f"{factor:.1f}x" if slower else f"{factor:.1f}x less")
     time_of = "the added time" if slower else "the time saved"
-    overall = _overall(base, head)
+    overall = _overall(base, head, scale)
     if overall is not None and not math.isinf(factor) and factor <= (overall if slower else 1 / overall) * 1.1:
         verb = "slower" if slower else "faster"
         return f"{text}; {verb} across ops (largest: {top.op} {what}, {min(top.share, 1.0):.0%} of {time_of})"
@@ -212,10 +215,10 @@ def explain(shift: Shift, ops: list[OpShift], *, base: Mapping[str, Any] | None 
     return f"{text}; {top.op} self time {what} ({min(top.share, 1.0):.0%} of {time_of})"
 
 
-def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None) -> float | None:
+def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, scale: float) -> float | None:
     if not base or not head:
         return None
-    b, h = float(base.get("total_us") or 0), float(head.get("total_us") or 0)
+    b, h = float(base.get("total_us") or 0) * scale, float(head.get("total_us") or 0)
     return h / b if b > 0 and h > 0 else None
 
 

@@ -124,6 +124,24 @@ def test_one_kernel_change_has_one_share_whichever_model_it_is_in() -> None:
     assert speed.explain(shift, ops).endswith("aten::native_layer_norm self time 4.0x (91% of the added time)")
 
 
+def test_a_busier_host_on_one_side_does_not_change_the_share() -> None:
+    """compare_perf: the same kernel change (+300 µs per step at the base host's speed, the step 1.0 -> 1.3 ms)
+    in two pairs; in the second the head's host made everything 1.4x slower (the interleaved ratio cancels
+    it, the target's own time and its ops do not): the share of the added time is the same."""
+    def pair(host: float) -> tuple[dict, dict]:
+        base = {"ratio": {"median": 1.0, "lo": 0.99, "hi": 1.01}, "target": {"median": 1.0e-3},
+                "profile": {"ops": [["aten::addmm", 600.0], ["aten::_softmax", 100.0]], "total_us": 700.0}}
+        head = {"ratio": {"median": 1.3, "lo": 1.29, "hi": 1.31}, "target": {"median": 1.3e-3 * host},
+                "profile": {"ops": [["aten::addmm", 600.0 * host], ["aten::_softmax", 400.0 * host]],
+                            "total_us": 1000.0 * host}}
+        return base, head
+
+    got = [compare_perf("m", "c", *pair(host))[0] for host in (1.0, 1.4)]
+    assert [c.op for c in got] == ["aten::_softmax"] * 2
+    assert got[0].op_share == pytest.approx(1.0) and got[1].op_share == pytest.approx(1.0)
+    assert all("aten::_softmax self time 4.0x (100% of the added time)" in c.detail for c in got), got
+
+
 def test_a_speed_up_is_described_as_one() -> None:
     head = {"total_us": 690.0, "ops": [["aten::addmm", 495.0], ["aten::_softmax", 10.0], ["aten::gelu", 185.0]]}
     ops = speed.op_shifts(BASE_PROFILE, head, added_us=-300.0, faster=True)
@@ -139,7 +157,7 @@ def test_the_added_time_is_the_target_steps_own_and_only_ops_both_sides_list_are
     baseline keeps only its top ops, so an op it does not list is not "new" tonight."""
     base = {"ratio": {"median": 1.40, "lo": 1.38, "hi": 1.42}, "target": {"median": 1.00e-3},
             "profile": {"ops": [["aten::addmm", 370.0], ["aten::mul", 300.0]], "total_us": 1000.0}}  # truncated
-    head = {"ratio": {"median": 1.90, "lo": 1.88, "hi": 1.92}, "target": {"median": 1.40e-3},
+    head = {"ratio": {"median": 1.96, "lo": 1.94, "hi": 1.98}, "target": {"median": 1.40e-3},
             "profile": {"ops": [["aten::addmm", 730.0], ["aten::mul", 300.0], ["aten::gelu", 330.0]],
                         "total_us": 1360.0}}
     change, shift = compare_perf("m", "c", base, head)

@@ -112,15 +112,28 @@ def compare_perf(model_id: str, config: str, base: Mapping[str, Any], head: Mapp
     shift = speed.compare(base[q], head[q], threshold=threshold)
     if shift is None:
         return None
-    b_t, h_t = _median(base, "target"), _median(head, "target")
-    added_us = (h_t - b_t) * 1e6 if b_t and h_t else None  # the step's own added time, on its clock
+    added_us, scale = _added(q, shift.slowdown, base, head)
     bp, hp = base.get("profile"), head.get("profile")
-    ops = speed.op_shifts(bp, hp, added_us=added_us, faster=shift.slowdown < 1)
+    ops = speed.op_shifts(bp, hp, added_us=added_us, scale=scale, faster=shift.slowdown < 1)
     change = PerfChange(model_id, config, q, float(base[q]["median"]), float(head[q]["median"]), shift.slowdown,
-                        shift.lo, shift.hi, detail=speed.explain(shift, ops, base=bp, head=hp))
+                        shift.lo, shift.hi, detail=speed.explain(shift, ops, base=bp, head=hp, scale=scale))
     if ops:
         change.op, change.op_factor, change.op_share = ops[0].op, ops[0].factor, round(ops[0].share, 4)
     return change, shift
+
+
+def _added(q: str, slowdown: float, base: Mapping[str, Any], head: Mapping[str, Any]) -> tuple[float | None, float]:
+    """The target step's added time per step (µs, on its clock, in the head run's terms) and the host's part of
+    its change (what the base's op times are scaled by). Where the ratio is compared, the target's own time
+    moved by the slowdown times the host's part: the host's part is the target's change the ratio does not
+    show (interleaved rounds cancel it), and the added time is what the ratio shows. One kernel change then
+    has about one share of it across models, however much busier one run's host was."""
+    b_t, h_t = _median(base, "target"), _median(head, "target")
+    if b_t and h_t:
+        host = (h_t / b_t) / slowdown if q == "ratio" else 1.0
+        return (h_t - b_t * host) * 1e6, host
+    b_ref, h_ref = _median(base, "reference"), _median(head, "reference")  # a perf baseline keeps no target time
+    return None, (h_ref / b_ref if q == "ratio" and b_ref and h_ref else 1.0)
 
 
 # ----------------------------------------------------------------------------------------------
