@@ -10,7 +10,8 @@ synchronize the device through the adapter). They run:
    runs first. Rounds interleave the sides on purpose: the per-round target/reference ratio cancels what
    the machine's load does to both (`harness.speed`). They stop once the interval of the quantity the gate
    compares is tight enough to decide (`TIGHT`, after `ADAPT_MIN` rounds: a steady 2 ms model needs tens
-   of rounds, not hundreds), else when the budget (seconds) is spent;
+   of rounds, not hundreds; `TIGHT_DISTURBED` on a disturbed host, whose drift the gate allows for anyway),
+   else when the budget (seconds) is spent;
 3. while they run, the host's disturbance is read (`HostWatch`: the share of the time the timing thread was
    runnable but waiting, other processes' CPU use, load, PSI), so a gate can tell a busy host from slower
    code (`harness.analysis.perfgate`);
@@ -46,6 +47,8 @@ MIN_ROUNDS = 5  # samples a median and its interval need, whatever the budget
 ADAPT_MIN = 10  # rounds before an interval counts as tight: fewer leave the order statistics too coarse
 TIGHT = 0.05  # stop once the compared quantity's 95% interval of the median spans at most 5% (hi/lo <= 1.05):
 # two such runs give a slowdown interval of about +-3.5%, far inside the gate's 1.2x threshold
+TIGHT_DISTURBED = 0.10  # ... at most 10% while the host is disturbed: the gate then widens the interval by its
+# drift (1.15x, harness.analysis.perfgate.DRIFT), which rounds do not narrow; more of them only cost
 MAX_ROUNDS = 200  # a 1 ms model does not need thousands
 HARD_CAP = 5.0  # x budget: a model too slow for MIN_ROUNDS stops here (after 3 rounds at least)
 PROFILE_ROUNDS = 3  # profiled steps (5 for a step under `PROFILE_FAST_S`)
@@ -73,14 +76,14 @@ def tight(x: list[float], tol: float = TIGHT, min_rounds: int = ADAPT_MIN) -> bo
 
 def time_rounds(steps: dict[str, Step], budget_s: float, *, clocks: dict[str, Callable[[], float]] | None = None,
                 warmup: int = WARMUP, min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS,
-                wall: Callable[[], float] = time.perf_counter, adaptive: bool = True
-                ) -> dict[str, dict[str, list[float]]]:
+                wall: Callable[[], float] = time.perf_counter, adaptive: bool = True,
+                tolerance: Callable[[], float] = lambda: TIGHT) -> dict[str, dict[str, list[float]]]:
     """Seconds per call of each step on each clock (``{clock: {step: [s, ...]}}``; default: the wall clock),
     interleaved: round r runs the steps starting from the (r mod k)-th.
 
-    Stops once the compared quantity is `tight` on the first clock (``adaptive``), once the budget (wall
-    time) is spent and ``min_rounds`` are done, at ``max_rounds``, or (for a model whose rounds are long) at
-    ``HARD_CAP`` x the budget after 3 rounds."""
+    Stops once the compared quantity is `tight` (within ``tolerance()``, asked every few rounds) on the
+    first clock (``adaptive``), once the budget (wall time) is spent and ``min_rounds`` are done, at
+    ``max_rounds``, or (for a model whose rounds are long) at ``HARD_CAP`` x the budget after 3 rounds."""
     clocks = clocks or {"wall": wall}
     first = next(iter(clocks))
     names = list(steps)
@@ -90,12 +93,16 @@ def time_rounds(steps: dict[str, Step], budget_s: float, *, clocks: dict[str, Ca
     samples: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in clocks}
     start = wall()
     r = 0
+    tol = TIGHT
     while r < max_rounds:
         elapsed = wall() - start
         if r and elapsed >= budget_s and (r >= min_rounds or (r >= 3 and elapsed >= HARD_CAP * budget_s)):
             break
-        if adaptive and r >= max(min_rounds, ADAPT_MIN) and tight(_deciding(samples[first])):
-            break
+        if adaptive and r >= max(min_rounds, ADAPT_MIN):
+            if r % 5 == 0:
+                tol = tolerance()
+            if tight(_deciding(samples[first]), tol):
+                break
         k = r % len(names)
         for name in names[k:] + names[:k]:
             t0 = {c: read() for c, read in clocks.items()}
@@ -349,6 +356,13 @@ def _against_step(prof: dict[str, Any], step_s: float | None) -> dict[str, Any]:
     return prof
 
 
+def _tolerance(watch: HostWatch) -> float:
+    """How tight the rounds need to get, by the host's disturbance so far (the gate's own signs)."""
+    from harness.analysis.perfgate import disturbance
+
+    return TIGHT_DISTURBED if disturbance({"host": watch.stop()}) else TIGHT
+
+
 def profile_rounds(target_s: float | None) -> int:
     """Profiled steps: 5 for a fast step (their cost is the timer's few µs per op), else 3."""
     return 5 if target_s is not None and 0 < target_s < PROFILE_FAST_S else PROFILE_ROUNDS
@@ -386,7 +400,7 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
             reset_peak()
         clocks = {clock[0]: clock[1], "wall": time.perf_counter}
         watch = HostWatch()
-        samples = time_rounds(steps, budget_s, clocks=clocks, adaptive=adaptive)
+        samples = time_rounds(steps, budget_s, clocks=clocks, adaptive=adaptive, tolerance=lambda: _tolerance(watch))
         perf["host"] = watch.stop()
         perf.update(summaries(samples[clock[0]]))
         perf["samples_us"] = {k: [round(v * 1e6) for v in s] for k, s in samples[clock[0]].items()}  # re-analysis
