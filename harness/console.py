@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from harness.outcomes import DEVICE_SIDE, OUTCOMES, headline
-from harness.results.rows import PHASES, compile_summary
+from harness.outcomes import BEYOND, BY_NAME, DEVICE_SIDE, JUDGEMENTS, OUTCOMES, headline, output_judgement
+from harness.results.rows import PHASES, compile_summary, round_floats
 
 SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
 
@@ -39,11 +39,11 @@ _VERDICT_FIELDS = [
     ("graph breaks", None),
     ("contract", "contract"),
     ("at full precision", None),
-    ("rmse ratio (<=1 ok)", "rmse_ratio"),
-    ("declared ratio (<=1 ok)", "declared_ratio"),
+    ("fp32 ratio (<=1 within)", "rmse_ratio"),
+    ("declared ratio (<=1 within)", "declared_ratio"),
     ("max abs err", "max_abs_err"),
     ("max rel err", "max_rel_err"),
-    ("min cosine", "min_cosine"),
+    ("min cosine", None),
     ("judged by", None),
     ("ref", "ref_cache"),
     ("phases s (peak MB)", None),
@@ -54,6 +54,7 @@ _VERDICT_FIELDS = [
     ("device peak MB (--perf)", "perf_peak_mem_mb"),
 ]
 
+_LABEL_WIDTH = max(len(label) for label, _ in _VERDICT_FIELDS)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
@@ -75,13 +76,17 @@ def _console() -> Console:
 
 def _derived(label: str, row: dict[str, Any]) -> Any:
     if label == "outcome":
-        return row.get("outcome", "") + (" (ran with CPU fallback)" if row.get("fallback_ops") else "")
+        o = BY_NAME.get(row.get("outcome") or "")
+        return (row.get("outcome", "") + (f": {o.meaning}" if o is not None and o.matched else "")
+                + (" (ran with CPU fallback)" if row.get("fallback_ops") else ""))
+    if label == "min cosine":
+        return min_cosine_text(row)
     if label == "arch / task":
         return f"{row.get('arch', '')} / {row.get('task', '')}"
     if label == "settings":
         return " ".join(f"{k}={v}" for k, v in sorted((row.get("settings") or {}).items()))
     if label == "error":
-        parts = [row.get("error_type") or "", row.get("error_message") or ""]
+        parts = [row.get("error_type") or "", round_floats(row.get("error_message") or "")]
         return ": ".join(p for p in parts if p) or None
     if label == "unsupported op":
         op, dtype = row.get("unsupported_op"), row.get("unsupported_dtype")
@@ -176,6 +181,13 @@ def _perf_text(label: str, perf: Any) -> str | None:
     return "; ".join(parts) + f"; {n} rounds in {perf.get('wall_s', 0):.1f} s" + (f"; {perf['note']}" if perf.get("note") else "")
 
 
+def confirm_line(counts: dict[str, int]) -> str:
+    """The confirmation of pass_declared rows at full precision, as one line (`run` and `matrix` print it)."""
+    return (f"  at full precision: {counts.get('confirmed', 0)} pass_declared confirmed, {counts.get('unconfirmed', 0)} "
+            f"unconfirmed (the declared precision may hide a bug there), {counts.get('hidden drift', 0)} drift(s) "
+            "the declared precision hid")
+
+
 def verdict_lines(row: dict[str, Any]) -> list[str]:
     """The `portharness check` verdict for one result row, as aligned text lines."""
     lines = []
@@ -185,28 +197,70 @@ def verdict_lines(row: dict[str, Any]) -> list[str]:
             continue
         if isinstance(val, float):
             val = f"{val:.4g}"
-        lines.append(f"  {label:<24} {str(val)[:300]}")
-    metrics = row.get("metrics") or {}
+        lines.append(f"  {label:<{_LABEL_WIDTH}} {str(val)[:300]}")
+    metrics = row.get("metrics") if isinstance(row.get("metrics"), dict) else {}
+    shown = metrics
     if metrics:
-        lines.append("  outputs:")
-        shown = metrics
-        if len(metrics) > SHOW_OUTPUTS:  # a training step has three per parameter: the failing and the worst
-            ranked = sorted(metrics, key=lambda k: (bool(metrics[k].get("ok")), -(metrics[k].get("rmse_ratio") or 0)))
+        contract = row.get("contract") or "the declared precision"
+        lines.append(f"  outputs (each judged as the row: within fp32 / within declared {contract} / beyond):")
+        if len(metrics) > SHOW_OUTPUTS:  # a training step has three per parameter: the worst first
+            ranked = sorted(metrics, key=lambda k: (-_rank(metrics[k]), -(_num(metrics[k], "declared_ratio") or 0),
+                                                     -(_num(metrics[k], "rmse_ratio") or 0)))
             shown = {k: metrics[k] for k in ranked[:SHOW_OUTPUTS]}
+        width = min(max(len(n) for n in shown), 60)
         for name, m in shown.items():
-            ok = "ok  " if m.get("ok") else "FAIL"
-            ratio, mabs = m.get("rmse_ratio"), m.get("max_abs")
-            ratio_s = "-" if ratio is None else f"{ratio:.3g}"
-            mabs_s = "-" if mabs is None else f"{mabs:.3g}"
-            lines.append(f"    {ok} {name:<28} rmse_ratio={ratio_s:<9} max_abs={mabs_s} {m.get('note', '')}")
-    if len(shown if metrics else {}) < len(metrics):
-        lines.append(f"    ... {len(metrics) - len(shown)} more, each within its bound (--json lists all)"
-                     if all(m.get("ok") for k, m in metrics.items() if k not in shown)
-                     else f"    ... {len(metrics) - len(shown)} more (--json lists all)")
+            lines.append(f"    {output_judgement(m) or '-':<15} {name:<{width}} " + output_numbers(m))
+    if len(shown) < len(metrics):
+        rest = [output_judgement(m) for k, m in metrics.items() if k not in shown]
+        lines.append(f"    ... {len(rest)} more: " + ", ".join(f"{rest.count(j)} {j}" for j in JUDGEMENTS if j in rest)
+                     + " (--json lists all)")
+    if row.get("worker_output"):
+        text = str(row["worker_output"]).rstrip("\n").splitlines()
+        lines.append(f"  {'worker output':<{_LABEL_WIDTH}} {len(text)} line(s) printed while the model ran, kept in "
+                     f"the row (--json, the report's model page); last: {text[-1][:120] if text else ''}")
     if row.get("traceback") and row.get("outcome") not in ("pass", "drift"):
         lines.append("  traceback (trimmed):")
         lines.append("    " + row["traceback"].replace("\n", "\n    "))
     return lines
+
+
+def _num(m: Any, key: str) -> float | None:
+    v = m.get(key) if isinstance(m, dict) else None
+    return v if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _rank(m: Any) -> int:
+    j = output_judgement(m)
+    return JUDGEMENTS.index(j) if j else -1
+
+
+def output_numbers(m: dict[str, Any]) -> str:
+    """One output's ratios and error, the declared ratio beside the fp32 one (rounded: these are read)."""
+    def g(key: str) -> str:
+        v = _num(m, key)
+        return "-" if v is None else f"{v:.3g}"
+
+    note = str(m.get("note") or "") if isinstance(m, dict) else ""
+    return (f"fp32 ratio {g('rmse_ratio'):<8} declared ratio {g('declared_ratio'):<8} max abs {g('max_abs'):<9}"
+            + (f" {note}" if note else "")).rstrip()
+
+
+def min_cosine_text(row: dict[str, Any]) -> str | None:
+    """The row's lowest cosine, naming its output; a near-zero output's cosine is said to mean nothing
+    (a gradient that cancels to zero points in the direction of its rounding noise)."""
+    v = row.get("min_cosine")
+    if not isinstance(v, int | float) or isinstance(v, float) and math.isnan(v):
+        return None
+    metrics = row.get("metrics") if isinstance(row.get("metrics"), dict) else {}
+    name = min((k for k in metrics if _num(metrics[k], "cosine") is not None),
+               key=lambda k: metrics[k]["cosine"], default=None)
+    if name is None or v >= 0.99:  # nothing to explain
+        return f"{v:.4g}"
+    m = metrics[name]
+    if m.get("near_zero") and output_judgement(m) != BEYOND:
+        return (f"{v:.4g} ({name}: near zero, below its family's noise floor, so its cosine compares rounding "
+                f"noise and means nothing; the rmse rule judges it {output_judgement(m)})")
+    return f"{v:.4g} ({name})"
 
 
 def clean_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +287,11 @@ def print_frame(title: str, df: pd.DataFrame) -> None:
     for col in frame.columns:
         table.add_column(Text(terminal_text(str(col))),
                          justify="right" if pd.api.types.is_numeric_dtype(frame[col]) else "left")
+    pct = [str(c).endswith("%") for c in frame.columns]  # percentages (0-100) print as 85.0%, as the report does
     for rec in frame.itertuples(index=False):  # Text: a '[red]' in a model id is not rich markup
-        table.add_row(*(Text("" if v is None or (isinstance(v, float) and math.isnan(v)) else terminal_text(str(v)))
-                        for v in rec))
+        table.add_row(*(Text("" if v is None or (isinstance(v, float) and math.isnan(v))
+                             else f"{v:.1f}%" if p and isinstance(v, int | float) else terminal_text(str(v)))
+                        for v, p in zip(rec, pct, strict=True)))
     console.print(table)
 
 

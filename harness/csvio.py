@@ -75,9 +75,10 @@ def parse_line(line: str, *, strict: bool = False) -> list[str]:
     return [restore(c) for c in next(csv.reader([line], strict=strict), [])]
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """A CSV file's text (UTF-8; a byte-order mark is not part of the first cell)."""
-    return Path(path).read_text(encoding="utf-8-sig")
+def read_text(path: str | os.PathLike, what: str = "CSV file") -> str:
+    """A CSV file's text (UTF-8; a byte-order mark is not part of the first cell); ValueError naming `what`
+    (its option), the file and why it cannot be read."""
+    return files.read_text(path, what)
 
 
 def read_frame(path: str | os.PathLike) -> pd.DataFrame:

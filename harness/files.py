@@ -8,7 +8,8 @@ the cause, which the CLI prints with exit 2. A directory of pages (the report) i
 in a staging directory inside it (`replaced_dir`); a directory that must appear whole or not at all (a
 reference-cache entry) is filled beside its destination and renamed into place (`atomic_dir`), and one
 is removed by renaming it out of the way first (`remove_dir`). Pre-flight checks (`check_writable`) let a command
-refuse an output path before it does any work.
+refuse an output path before it does any work; `read_text` reads a text file the user named, with the
+same one-line errors.
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ def output_error(path: str | os.PathLike, exc: OSError) -> OutputError:
     return OutputError(path, exc.errno, exc.strerror or str(exc))
 
 
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """The text of a file the user named (`what`: its option, e.g. ``--perf-allowlist``; a byte-order mark
+    is dropped); in one line naming the option, the file and why: FileNotFoundError when there is none,
+    else ValueError."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise IsADirectoryError
+        if not stat.S_ISREG(p.stat().st_mode):  # a FIFO or a device would block or never end
+            raise ValueError(f"{what} {p}: not a regular file")
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {p}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{what} {p}: a directory, not a file") from None
+    except OSError as e:
+        raise ValueError(f"{what} {p}: cannot be read: {cause(e.errno, e.strerror or '')}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {p}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+                         "save it as UTF-8") from None
+
+
 def _read_only_fs(path: Path) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
@@ -100,6 +125,22 @@ def check_writable(path: str | os.PathLike, *, create_parents: bool = False, dir
         raise OutputError(p, errno.ENOTDIR, f"{parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(p, errno.EROFS if _read_only_fs(parent) else errno.EACCES)
+
+
+def probe_writable(path: str | os.PathLike) -> None:
+    """OutputError unless a file can really be made in `path` (a directory) or, where it does not exist yet,
+    in its nearest existing ancestor: access() says yes to root on file systems that refuse every write
+    (procfs, sysfs). The probe file is removed at once; nothing else is made."""
+    p = Path(os.path.abspath(path))
+    where = p
+    while not where.exists():
+        where = where.parent
+    try:
+        fd, name = tempfile.mkstemp(dir=where, prefix=STAGE_PREFIX + "probe-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise OutputError(p, e.errno, f"{where} refuses new files ({e.strerror or e})") from None
 
 
 def _fsync_dir(directory: Path) -> None:

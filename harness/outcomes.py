@@ -10,7 +10,10 @@ Precedence in the worker is the order below: the first stage that fails decides 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ TABLE: tuple[Outcome, ...] = (
             device_side=True, retryable=True),
     Outcome("unsupported_op", 3, "#6a1b9a", "the target lacks an op (named in the row)"),
     Outcome("compile_fail", 5, "#ad1457", "--compile: tracing or compiling raised (the stage, Dynamo trace, "
-            "AOT/functionalization or backend codegen, and the op or node in the row)"),
+            "AOT/functionalization, Inductor graph passes or backend codegen, and the op or node in the row)"),
     Outcome("crash", 5, "#c62828", "the target run raised or its worker died", retryable=True),
     Outcome("timeout", 4, "#8d6e63", "the model ran past the time budget", retryable=True),
     Outcome("oom", 4, "#5d4037", "out of memory"),
@@ -92,3 +95,46 @@ def headline(counts: dict[str, int]) -> dict[str, float | int | dict[str, int] |
         "matched_pct": 100.0 * matched / ran if ran else None,
         "excluded": {o: counts[o] for o in OUTCOMES if o in NOT_THE_MODELS and counts.get(o)},
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# One output's judgement: the row's contract applied to one output (a logits step, a gradient...)
+# ----------------------------------------------------------------------------------------------
+# Every per-output label (`check`'s output lines, the report's per-output tables, decoding steps, train
+# gradients) comes from `output_judgement`, and the row's own pass / pass_declared / drift from
+# `outcome_of` over the same judgements, so no label can say "drift" on a row that passed. (A later
+# confirmation of pass_declared rows at full precision, `confirm`: confirmed / unconfirmed / hidden
+# drift, refines a row beside this judgement; it does not change it.)
+WITHIN_FP32 = "within fp32"  # inside the fp32 envelope (rmse ratio <= 1)
+WITHIN_DECLARED = "within declared"  # outside it, inside the declared precision's (declared ratio <= 1)
+BEYOND = "beyond"  # outside both: error the declared precision does not explain
+JUDGEMENTS: tuple[str, ...] = (WITHIN_FP32, WITHIN_DECLARED, BEYOND)
+# the outcome whose colour a judgement is drawn in (report chips)
+JUDGEMENT_OUTCOME: dict[str, str] = {WITHIN_FP32: "pass", WITHIN_DECLARED: "pass_declared", BEYOND: "drift"}
+
+
+def judge(ok: bool, ok_declared: bool) -> str:
+    """The judgement of one output from the comparison's two verdicts (`harness.run.compare`)."""
+    return WITHIN_FP32 if ok else WITHIN_DECLARED if ok_declared else BEYOND
+
+
+def output_judgement(m: Mapping[str, Any] | Any) -> str:
+    """The judgement of one output's stored metrics (a row's ``metrics[name]``); "" when they hold no
+    verdict (a bare value of an older row). Rows written before ``ok_declared`` was stored are judged
+    by their declared ratio."""
+    if not isinstance(m, Mapping) or not isinstance(m.get("ok"), bool):
+        return ""
+    if m["ok"]:
+        return WITHIN_FP32
+    declared = m.get("ok_declared")
+    if not isinstance(declared, bool):
+        ratio = m.get("declared_ratio")
+        declared = isinstance(ratio, int | float) and math.isfinite(ratio) and ratio <= 1
+    return judge(False, declared)
+
+
+def outcome_of(judgements: Iterable[str]) -> str:
+    """The row's outcome from its outputs' judgements: pass when every one is within fp32, pass_declared
+    when none is beyond, else drift (the mode and the op check may still decide otherwise)."""
+    seen = set(judgements)
+    return "drift" if BEYOND in seen else "pass_declared" if WITHIN_DECLARED in seen else "pass"

@@ -139,6 +139,7 @@ class OpShift:
     base_us: float  # self time per step, on the clock the step was timed on
     head_us: float
     share: float  # of the step's added time (or, for a speed-up, of the time it saved)
+    at_least: bool = False  # the other profile did not keep the op: the change is at least this
 
     @property
     def factor(self) -> float:
@@ -154,9 +155,9 @@ def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
     has one share whichever model it is in, and time added between ops (Python) is nobody's op. Without it,
     of the profiles' totals' difference. ``scale`` multiplies the base's times into the head run's terms:
     the host's part of the step's change (a busier host's caches make every op slower alike), so that
-    what is left is the code's. An op one side does not list counts as absent there only when that side's
-    list is complete (a perf baseline keeps only its top ops). [] when a profile is missing or nothing
-    was added (saved)."""
+    what is left is the code's. Only what both sides measured is compared: an op one profile did not keep
+    counts there at the most it can have had (`unseen_us`), never as new (or gone). [] when a profile is
+    missing or nothing was added (saved)."""
     if not base or not head or not base.get("ops") or not head.get("ops"):
         return []
     b_ops = {k: v * scale for k, v in _pairs(base["ops"])}
@@ -166,11 +167,28 @@ def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
         added_us = _total(head, h_ops) - _total(base, dict(_pairs(base["ops"]))) * scale
     if not sign * added_us > 0:
         return []
-    ops = (b_ops.keys() & h_ops.keys()) | (b_ops.keys() if _complete(head, h_ops) else set()) | (
-        h_ops.keys() if _complete(base, b_ops, scale) else set())
-    out = [OpShift(op, b_ops.get(op, 0.0), h_ops.get(op, 0.0), (h_ops.get(op, 0.0) - b_ops.get(op, 0.0)) / added_us)
-           for op in ops]
+    if not faster:  # an op the head did not keep cannot be shown to have grown
+        unseen = unseen_us(base) * scale
+        out = [OpShift(op, b_ops.get(op, unseen), h, (h - b_ops.get(op, unseen)) / added_us, op not in b_ops)
+               for op, h in h_ops.items()]
+    else:  # ... nor one the base did not keep to have shrunk
+        unseen = unseen_us(head)
+        out = [OpShift(op, b, h_ops.get(op, unseen), (h_ops.get(op, unseen) - b) / added_us, op not in h_ops)
+               for op, b in b_ops.items()]
     return sorted((s for s in out if sign * (s.head_us - s.base_us) > 0), key=lambda s: (-s.share, s.op))
+
+
+KEEP_SHARE, KEEP_OPS = 0.001, 40  # what a row's op profile keeps (`top_ops`)
+
+
+def unseen_us(profile: Mapping[str, Any]) -> float:
+    """The most self time an op missing from `profile` can have had: a row's keeps the ops of at least
+    KEEP_SHARE of the total, KEEP_OPS at most; a committed baseline says what it dropped (``floor_us``)."""
+    if profile.get("floor_us") is not None:
+        return float(profile["floor_us"])
+    kept = [us for _, us in _pairs(profile.get("ops") or [])]
+    floor = KEEP_SHARE * float(profile.get("total_us") or 0)
+    return max(floor, min(kept)) if len(kept) >= KEEP_OPS else floor
 
 
 def _pairs(ops: Any) -> list[tuple[str, float]]:
@@ -179,11 +197,6 @@ def _pairs(ops: Any) -> list[tuple[str, float]]:
 
 def _total(prof: Mapping[str, Any], ops: Mapping[str, float]) -> float:
     return float(prof.get("total_us") or sum(ops.values()))
-
-
-def _complete(prof: Mapping[str, Any], ops: Mapping[str, float], scale: float = 1.0) -> bool:
-    """The listed ops hold (nearly) all of the profile's time: an op it does not list did not run."""
-    return sum(ops.values()) >= 0.99 * scale * float(prof.get("total_us") or sum(ops.values()) / scale)
 
 
 MIN_SHARE = 0.25  # an op named as the cause holds at least this share of the added time
@@ -203,7 +216,7 @@ def explain(shift: Shift, ops: list[OpShift], *, base: Mapping[str, Any] | None 
     slower = top.head_us > top.base_us
     factor = top.factor if slower else (top.base_us / top.head_us if top.head_us > 0 else math.inf)
     what = ("new in this run" if slower else "gone in this run") if math.isinf(factor) else (
-        f"{factor:.1f}x" if slower else f"{factor:.1f}x less")
+        ("at least " if top.at_least else "") + (f"{factor:.1f}x" if slower else f"{factor:.1f}x less"))
     time_of = "the added time" if slower else "the time saved"
     overall = _overall(base, head, scale)
     if overall is not None and not math.isinf(factor) and factor <= (overall if slower else 1 / overall) * 1.1:
@@ -222,7 +235,7 @@ def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, sca
     return h / b if b > 0 and h > 0 else None
 
 
-def top_ops(self_us: Mapping[str, float], *, min_share: float = 0.001, limit: int = 40) -> list[list[Any]]:
+def top_ops(self_us: Mapping[str, float], *, min_share: float = KEEP_SHARE, limit: int = KEEP_OPS) -> list[list[Any]]:
     """The ops worth keeping from a profile: ``[op, µs]`` pairs with at least ``min_share`` of the self time,
     at most ``limit``, largest first (a row keeps this, not the whole profile; a list keeps the order
     through JSON, whose objects the store writes with sorted keys)."""

@@ -1,10 +1,15 @@
 """Who gets blamed when the hardware is rude: each misbehaviour of the test backend, one short run each.
 
 For every misbehaviour (late errors, a lost and returning device server, one device, each wording of a
-missing op, a wrong-shape kernel, a dying or hanging device, allocator exhaustion) this runs the real
-CLI on a small list and reads the rows back: how many, which outcomes, and how many landed on the wrong
-party (a model blamed for the device, the device for a model, or another model's error). The scenarios
-are those of tests/test_rude_backend.py; the right party for each row is written next to it.
+missing op, a wrong-shape kernel, a dying or hanging device, allocator exhaustion; issue 32: the backend
+registered as a Python backend does, with a device module made at run time and no __file__, a client
+with a reconnect window, tensor-subclass parameters under --compile with and without the reference
+cache, --perf without allocator statistics) this runs the real CLI on a small list and reads the rows
+back: how many, which outcomes, and how many landed on the wrong party (a model blamed for the device,
+the device for a model, another model's error, or a compiled row's eager re-check saying the wrong
+thing). The scenarios are those of tests/test_rude_backend.py; the right party for each row is written
+next to it. A row reads `outcome`, then `/eager X` for a compiled row re-checked eagerly and `/timed` or
+`/untimed` under --perf.
 
     python scripts/blame_table.py                       # this checkout
     python scripts/blame_table.py --harness-root OLD    # another checkout's harness, same backend
@@ -50,19 +55,22 @@ def cli(python: Path, args: list[str], env: dict[str, str], root: str | None) ->
                           env={**base, **env}, cwd=tempfile.gettempdir())
 
 
-def outcomes(db: Path) -> dict[str, str]:
+def outcomes(db: Path, perf: bool = False) -> dict[str, str]:
     import sqlite3
 
     if not db.exists():
         return {}
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        got = con.execute("SELECT model_id, outcome FROM results ORDER BY rowid").fetchall()
+        got = con.execute("SELECT model_id, outcome, eager_outcome, perf_rounds FROM results ORDER BY rowid").fetchall()
     except sqlite3.Error:
         return {}
     finally:
         con.close()
-    return dict(got)  # later rows of a model (resume) win
+    out = {}
+    for model, outcome, eager, rounds in got:  # later rows of a model (resume) win
+        out[model] = outcome + (f"/eager {eager}" if eager else "") + (("/timed" if rounds else "/untimed") if perf else "")
+    return out
 
 
 def server(python: Path, tmp: Path, port: int, kill: Path | None) -> tuple[subprocess.Popen, int]:
@@ -96,7 +104,7 @@ def main() -> int:
     toy = make_toy_env(tmp / "toy")
     me = Path(sys.executable)
     b = {k: pathological_models.build(tmp, k) for k in
-         ("none", "crash", "crash-once:a", "crash-once:b", "kill-device-once", "norm", "oom-ref")}
+         ("none", "crash", "crash-once:a", "crash-once:b", "kill-device-once", "norm", "oom-ref", "no-fake")}
 
     def lst(name: str, patho: dict[str, str], tiny: list[tuple[str, str]] = ()) -> str:
         p = tmp / f"{name}.csv"
@@ -104,21 +112,22 @@ def main() -> int:
         return str(p)
 
     dev = {"device_error"}
-    rows_table: list[tuple[str, int, str, int, str]] = []
+    rows_table: list[tuple[str, int, str, int, str, float]] = []
 
     def scenario(name: str, python: Path, steps: list[Step], db: Path) -> None:
-        rcs, wrong, seen, said = [], 0, {}, ""
+        rcs, wrong, seen, said, t0 = [], 0, {}, "", time.monotonic()
         for s in steps:
             r = cli(python, [*s.args, "--db", str(db), "--quiet"], s.env, ns.harness_root)
             rcs.append(r.returncode)
-            seen = outcomes(db)  # what the DB holds after the last step is what a reader sees
+            seen = outcomes(db, "--perf" in s.args)  # what the DB holds after the last step is what a reader sees
             wrong = sum(1 for m, o in seen.items() if m in s.right and o not in s.right[m])
             said = (r.stderr.strip().splitlines() or [""])[-1][:140]
             if "--resume" in s.args:  # the summary is the whole run's, not the resumed part's
                 print("\n".join(f"    {x}" for x in r.stdout.splitlines() if "models (" in x or "ran " in x), flush=True)
         counts = ", ".join(f"{o} {n}" for o, n in sorted(Counter(seen.values()).items())) or f"none ({said})"
-        rows_table.append((name, len(seen), counts, wrong, "/".join(map(str, rcs))))
-        print(f"{name}: rows {len(seen)} [{counts}] wrong party {wrong} rc {rcs}", flush=True)
+        rows_table.append((name, len(seen), counts, wrong, "/".join(map(str, rcs)), time.monotonic() - t0))
+        print(f"{name}: rows {len(seen)} [{counts}] wrong party {wrong} rc {rcs} ({time.monotonic() - t0:.0f} s)",
+              flush=True)
 
     toy_run = ["run", "--target", "toy", "--jobs", "1"]
     scenario("late error (next sync)", toy, [Step(
@@ -171,6 +180,59 @@ def main() -> int:
     finally:
         stop(proc)
 
+    # Issue 32: npu_toy registered as a Python backend may do it (a device module made at run time, no
+    # __file__), its client waiting out a reconnect window before it gives up ("could not reach the server
+    # again"); tiny models seed the device while they are built, after the server died too.
+    syn = {"TOY_SYNTHETIC_MODULE": "1"}
+    scenario("synthetic module: missing op worded 'remote' / 'kernel'", toy, [Step(
+        [*toy_run, "--list", lst("words-syn", {"z/none": "none"}, [("patchtst", "base")])],
+        {"z/none": {"unsupported_op"}, "tiny/patchtst/base": {"unsupported_op"}},
+        {**syn, "TOY_BROKEN_OPS": "embedding:remote,sum:kernel"})], tmp / "words-syn.db")
+    kill2 = tmp / "kill-server-syn"
+    proc, port2 = server(toy, tmp, 0, kill2)
+    stop(proc)
+    srv2 = {**syn, "TOY_RECONNECT_S": "5", "TOY_SERVER": f"127.0.0.1:{port2}", "TOY_TIMEOUT": "5",
+            "PATHO_KILL_FILE": str(kill2)}
+    syn_list = tmp / "server-syn.csv"  # run in id order: a1, a2 (kills the server), the tiny ones, z3
+    syn_list.write_text(LIST_HEADER + list_rows([("gpt2", "base"), ("llama", "base")]) + pathological_models.list_rows(
+        {"a1/none": b["none"], "a2/kill": pathological_models.build(tmp / "syn", "kill-device-once"),
+         "z3/none": b["none"]}))
+    every = ("a1/none", "a2/kill", "tiny/gpt2/base", "tiny/llama/base", "z3/none")
+    gone = lst("server-syn-gone", {"x1/none": "none", "x3/none": "none"}, [("gpt2", "base"), ("llama", "base")])
+    scenario("synthetic: no device server (client retries 5 s)", toy, [Step(  # the tiny ones are built first
+        [*toy_run, "--list", gone], {m: dev for m in ("tiny/gpt2/base", "tiny/llama/base", "x1/none", "x3/none")},
+        srv2)], tmp / "nosrv-syn.db")
+    proc = None
+    try:
+        proc, _ = server(toy, tmp, port2, kill2)
+        scenario("synthetic: device server lost mid-run", toy, [Step(
+            [*toy_run, "--list", str(syn_list)], {"a1/none": {"pass"}, **{m: dev for m in every[1:]}}, srv2)],
+            tmp / "lost-syn.db")
+        stop(proc)
+        kill2.unlink(missing_ok=True)
+        proc, _ = server(toy, tmp, port2, None)
+        scenario("  ... server back, --resume", toy, [Step(
+            [*toy_run, "--list", str(syn_list), "--resume"],
+            {"a1/none": {"pass"}, "a2/kill": {"pass"}, "tiny/gpt2/base": {"unsupported_op"},
+             "tiny/llama/base": {"unsupported_op"}, "z3/none": {"pass"}}, srv2)], tmp / "lost-syn.db")
+    finally:
+        stop(proc)
+    # Tensor-subclass parameters (moved by swap_tensors) under --compile: the eager re-check of a compiled row
+    # must say the same without the reference cache, while it fills and once it is warm.
+    comp = lst("compiled", {"m/none": "none", "m/nofake": "no-fake", "m/norm": "norm"})
+    sub = {"TOY_SUBCLASS_PARAMS": "1", "TOY_BROKEN_OPS": "native_layer_norm:cannot"}
+    right_c = {"m/none": {"compile_fail/eager pass", "pass"}, "m/nofake": {"compile_fail/eager pass"},
+               "m/norm": {"compile_fail/eager unsupported_op", "unsupported_op/eager unsupported_op"}}
+    for backend in ("inductor", "aot_eager"):
+        cache = ["--ref-cache", str(tmp / f"ref-cache-{backend}")]
+        for name, extra in (("no cache", ["--no-ref-cache"]), ("filling the cache", cache), ("cache warm", cache)):
+            scenario(f"--compile {backend}, subclass params, {name}", toy, [Step(
+                [*toy_run, "--list", comp, "--compile", backend, *extra], right_c, sub)],
+                tmp / f"comp-{backend}-{name.replace(' ', '-')}.db")
+    scenario("--perf, no allocator statistics", toy, [Step(
+        [*toy_run, "--list", lst("perf", {"z/none": "none"}), "--perf", "--perf-budget", "0.3"],
+        {"z/none": {"pass/timed"}})], tmp / "perf.db")
+
     sim3 = {"PORTHARNESS_SIM_DEVICES": "3"}
     tiny3 = lst("tiny3", {}, [("bert", "base"), ("gpt2", "base"), ("llama", "base")])
     exact = ["--precision", "highest", "--ops", "full", "--jobs", "2", "--spare", "1"]
@@ -185,9 +247,10 @@ def main() -> int:
         ["run", "--list", lst("cap", {}, [("bert", "base"), ("gpt2", "base")]), "--target", "cpu", "--mem-cap-mb", "16",
          "--jobs", "1"], {"tiny/bert/base": set(), "tiny/gpt2/base": set()})], tmp / "cap.db")
 
-    print("\n| misbehaviour | rows | outcomes | wrong party | exit |\n|---|---|---|---|---|")
-    for name, n, counts, wrong, rcs in rows_table:
-        print(f"| {name} | {n} | {counts} | {wrong} | {rcs} |")
+    print("\n| misbehaviour | rows | outcomes | wrong party | exit | s |\n|---|---|---|---|---|---|")
+    for name, n, counts, wrong, rcs, secs in rows_table:
+        print(f"| {name} | {n} | {counts} | {wrong} | {rcs} | {secs:.0f} |")
+    print(f"\nrows on the wrong party: {sum(r[3] for r in rows_table)}")
     return 0
 
 

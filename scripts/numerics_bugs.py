@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--mode", default="inference", choices=["inference", "train", "generate"])
     p.add_argument("--cache", default="dynamic", choices=["dynamic", "static"], help="--mode generate: the KV cache")
-    p.add_argument("--kinds", default=None, help="comma-separated (default: every kind; grad-scale in train mode only)")
+    p.add_argument("--kinds", default=None, help="comma-separated (default: every kind; grad-scale in train mode only, "
+                   "cache-off-by-one in generate mode only)")
     p.add_argument("--db", default=None, help="keep the runs in this DB (default: a temp file)")
     args = p.parse_args(argv)
     entries = load_model_list(args.list)
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         base_settings["mode"] = args.mode
     if generate and args.cache != "dynamic":
         base_settings["cache"] = args.cache
-    kinds = args.kinds or ",".join(k for k in BUGS if train or k != "grad-scale")
+    kinds = args.kinds or ",".join(k for k in BUGS if (train or k != "grad-scale")
+                                   and (generate or k != "cache-off-by-one"))  # only decoding meets it
     clean = _run(entries, base_settings, db, args.list, args.jobs)
     print(f"{args.list} on sim {base_settings}: {len(clean)} models -> {db}")
     print(f"{'bug':<17} {'exercised':>9} {'drift':>13} {'localized':>13} {'untouched unchanged':>20}"

@@ -70,6 +70,11 @@ class PathoModel(PreTrainedModel):
         if b == "graph-break":  # a data-dependent Python branch: Dynamo breaks the graph at .item()
             h = self.proj(self.embed(input_ids))
             return BaseModelOutput(last_hidden_state=h * 2 if h.sum().item() > 0 else h)
+        if b == "noisy" and input_ids.device.type != "cpu":  # prints from Python and below it, then behaves
+            print("noisy: a line on stdout", flush=True)
+            import sys  # as warnings.showwarning writes (a test runner records real warnings instead)
+            print("noisy: a UserWarning on sys.stderr", file=sys.stderr)
+            os.write(2, b"noisy: USDT-like line from native code\\n")
         if b == "norm":  # a well-behaved model with a layer norm
             h = self.proj(self.embed(input_ids))
             return BaseModelOutput(last_hidden_state=torch.nn.functional.layer_norm(h, h.shape[-1:]))
@@ -115,7 +120,8 @@ def build(root: Path, behaviour: str) -> Path:
     first run off the CPU, then computes a cumsum (which the toy backend lacks); `kill-device-once`
     creates the file named by PATHO_KILL_FILE on its first run off the CPU (a device's dead file, or its
     server's kill file), then behaves; `no-fake` calls an op Dynamo cannot trace (no fake impl) and
-    `graph-break` branches on a tensor's value (compiled, they fail in Dynamo's trace and break the graph)."""
+    `graph-break` branches on a tensor's value (compiled, they fail in Dynamo's trace and break the graph);
+    `noisy` prints on stdout, warns and writes to fd 2 (as native code does) off the CPU, then behaves."""
     import torch
 
     d = root / f"patho-{behaviour.replace(':', '-')}"

@@ -18,6 +18,7 @@ EXPECTED = {
     "dtype-not-implemented": MissingOp("aten::baddbmm", "Int"),
     "bare-op-dtype": MissingOp("aten::mul", "Int"),
     "bare-op": MissingOp("aten::add"),
+    "not-aten-op": MissingOp("prims::device_put"),
     "flex-attention": MissingOp("flex_attention"),
 }
 
@@ -33,6 +34,14 @@ def test_op_names_are_normalised_and_the_dtype_kept() -> None:
     assert parse_missing_op("The operator 'aten::_linalg_eigh' is not currently implemented for the MPS device",
                             "mps") == MissingOp("aten::_linalg_eigh")
     assert parse_missing_op('"addmm_impl_cpu_" not implemented for \'Half\'', "toy") == MissingOp("aten::addmm", "Half")
+
+
+def test_a_dtype_is_kept_when_an_op_name_comes_first() -> None:
+    """Issue 32.4: the op the backend names, the dtype its kernel's message names."""
+    msg = 'NotImplementedError: aten::histc: "histogram_cpu" not implemented for \'Int\''
+    assert parse_missing_op(msg, "toy") == MissingOp("aten::histc", "Int")
+    assert parse_missing_op('"histogram_cpu" not implemented for \'Int\'', "toy") == MissingOp("aten::histogram", "Int")
+    assert parse_missing_op("aten::histc is not implemented on toy", "toy") == MissingOp("aten::histc")
 
 
 def test_a_relayed_dispatcher_error_is_the_targets_gap_only_when_the_backend_raised_it() -> None:

@@ -62,7 +62,7 @@ def test_a_configuration_is_part_of_the_run_identity_and_its_contract() -> None:
     settings = {"compile": "inductor:max-autotune", "dynamic": True, "amp": "bf16", "ops": "young", "precision": "default"}
     compiled.check(settings)
     cfg = compiled.Configuration.of(settings)
-    assert (cfg.backend, cfg.mode, cfg.dynamic, cfg.amp_dtype) == ("inductor", "max-autotune", True, torch.bfloat16)
+    assert (cfg.backend, cfg.compile_mode, cfg.dynamic, cfg.amp_dtype) == ("inductor", "max-autotune", True, torch.bfloat16)
     assert not cfg.eager().compiled and cfg.eager().amp == "bf16"
     assert Config.of("smoke", "sim", {"compile": "inductor", "ops": "young", "precision": "default"}).file_name == \
         "smoke--sim--compile=inductor-ops=young-precision=default.csv"

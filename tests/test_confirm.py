@@ -112,3 +112,18 @@ def test_a_normalization_bug_the_declared_precision_hides_is_a_drift_named_at_fu
     assert rows["highest"]["outcome"] == rows["confirmed"]["outcome"] == "drift"
     assert rows["confirmed"]["confirm"] == HIDDEN and "hid a drift" in rows["confirmed"]["error_message"]
     assert rows["confirmed"]["first_drift_module"] == rows["highest"]["first_drift_module"] == "embeddings.LayerNorm"
+    # visible where a nightly reads it: matrix, the expected file, the report's first screen
+    cli = [sys.executable, "-m", "harness.cli"]
+    mat = subprocess.run([*cli, "matrix", "--db", str(tmp_path / "confirmed.db")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert "0 pass_declared confirmed, 0 unconfirmed (the declared precision may hide a bug there), 1 drift(s) the " \
+           "declared precision hid" in mat.stdout, mat.stdout + mat.stderr
+    subprocess.run([*cli, "baseline", "update", "--db", str(tmp_path / "confirmed.db"), "--out", str(tmp_path / "e.csv")],
+                   check=True, capture_output=True, timeout=300, env=env)
+    assert "tiny/bert/base,drift,LayerNorm (hidden drift)" in (tmp_path / "e.csv").read_text()
+    subprocess.run([*cli, "report", "--db", str(tmp_path / "hidden.db"), "--out", str(tmp_path / "site")],
+                   check=True, capture_output=True, timeout=300, env=env)
+    assert 'id="confirmed"' not in (tmp_path / "site" / "index.html").read_text()  # --confirm off: nothing to say
+    subprocess.run([*cli, "report", "--db", str(tmp_path / "confirmed.db"), "--out", str(tmp_path / "site")],
+                   check=True, capture_output=True, timeout=300, env=env)
+    assert "1 drift(s) the declared precision hid" in (tmp_path / "site" / "index.html").read_text()

@@ -118,15 +118,25 @@ def test_pass_rates(db: Path) -> None:
     assert counts["unsupported_op"] == 4 and counts["pass"] == 1 and sum(counts.values()) == 7
     by_mod = pass_rates(df, "modality").set_index("modality")
     assert by_mod.loc["text", "n"] == 3 and by_mod.loc["text", "pass"] == 1
-    assert by_mod.loc["text", "pass_rate"] == pytest.approx(1 / 3, abs=1e-3)
+    assert by_mod.loc["text", "pass_pct"] == pytest.approx(100 / 3, abs=0.1)
     assert by_mod.loc["(unknown)", "load_fail"] == 1
-    assert pd.isna(by_mod.loc["(unknown)", "target_pass_rate"])  # only a load failure: no target verdict
+    assert pd.isna(by_mod.loc["(unknown)", "ran_pct"])  # only a load failure: no target verdict
+    assert list(by_mod.columns[:4]) == ["n", "ran_pct", "matched_pct", "pass_pct"]  # the headline first
     by_task = pass_rates(df, "task")
     assert "(unknown)" in set(by_task.task)
     with pytest.raises(ValueError, match="by must be"):
         pass_rates(df, "colour")
     both = pass_rates(_all(db), "arch")
     assert "config" in both.columns
+
+
+def test_pass_rates_headline_an_all_pass_declared_arch_as_fine() -> None:
+    """An architecture that is all pass_declared ran and matched everything: 100% / 100%, not a 0% pass rate."""
+    df = pd.DataFrame({"model_id": ["a", "b", "c"], "config": "sim", "arch": ["bert", "bert", "gpt2"],
+                       "outcome": ["pass_declared", "pass_declared", "unsupported_op"]})
+    rates = pass_rates(df, "arch").set_index("arch")
+    assert rates.loc["bert", ["ran_pct", "matched_pct", "pass_pct"]].tolist() == [100.0, 100.0, 0.0]
+    assert rates.loc["gpt2", "ran_pct"] == 0 and pd.isna(rates.loc["gpt2", "matched_pct"])
 
 
 def test_op_coverage_ranking(db: Path, tmp_path: Path) -> None:

@@ -241,6 +241,7 @@ EVIDENCE = {  # shorthand -> (measurement, phase where the worker died, "" for a
     "raised": (m("crash", error_type="RuntimeError"), ""),  # an exception: the worker lived
     "ref_fail": (m("ref_fail"), ""),
     "fault": (m("device_error", device_fault=True), ""),
+    "unreachable": (m("device_error", device_fault=True, device_unreachable=True), ""),  # connection refused
     "segv": (m("crash", error_type="WorkerDied", signal=11), "target"),
     "hang": (m("timeout", error_type="Timeout", signal=9), "target"),
     "segv-in-reference": (m("crash", error_type="WorkerDied", signal=11), "reference"),
@@ -317,6 +318,15 @@ TABLE = [
     ("device faults strike at once; the model waits, pending, when no device is left", 1, 0, 2, 1,
      [("a", "d0", "fault", "=device_error pending"), ("b", "d0", "fault", "=device_error pending q:d0")],
      (["d0"], {"a": "device_error", "b": "device_error"})),
+    ("a device server gone (issue 32.1): refused after the client's reconnect window, quarantined at once, so "
+     "no other model waits that window out", 1, 0, 2, 1,
+     [("a", "d0", "unreachable", "=device_error pending q:d0")],
+     (["d0"], {"a": "device_error"})),
+    ("... dying mid-run: the model it ran is reset (a strike), the next one is refused (quarantine); with a "
+     "spare the rest runs there", 1, 1, 2, 1,
+     [("a", "d0", "pass", "=pass"), ("b", "d0", "fault", "=device_error pending"),
+      ("c", "d0", "unreachable", "retry q:d0+d1"), ("c", "d1", "pass", "=pass")],
+     (["d0"], {"a": "pass", "b": "device_error", "c": "pass"})),
 ]
 
 

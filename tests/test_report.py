@@ -134,7 +134,7 @@ def test_pages_content(tmp_path: Path, write_synthetic_db) -> None:
     ).to_csv(csv, index=False)
     build_report(db, out, opinfo_csv=csv)
     index = (out / "index.html").read_text()
-    assert "night-01" in index and "pass rate" in index and "2.13" in index and "0.1.0" in index
+    assert "night-01" in index and "matched % by arch" in index and "2.13" in index and "0.1.0" in index
     assert "regressions vs night-00" in index
     ops = (out / "ops.html").read_text()
     assert "implement aten::" in ops and "OpInfo passed" in ops

@@ -82,7 +82,7 @@ def test_bad_device_is_quarantined_and_its_models_rerun_elsewhere(tmp_path: Path
 
 
 def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path, patho) -> None:
-    dirs = dict(patho(b) for b in ("crash", "oom"))
+    dirs = dict(patho(b) for b in ("crash", "oom", "noisy"))
     lst = write_list(tmp_path / "l.csv", [("bert", "base"), ("gpt2", "causal-lm")], patho.rows(dirs))
     db = tmp_path / "r.db"
     entries = load_model_list(str(lst))
@@ -92,6 +92,13 @@ def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path, patho) ->
     assert set(got) == {e.id for e in entries}
     assert got["patho/crash"]["outcome"] == "crash"
     assert got["patho/crash"]["signal"] == signal.SIGSEGV
+    # the worker's fatal-signal report (faulthandler on fd 2, its job's file) read back into the crash row
+    assert got["patho/crash"]["traceback"].startswith("Fatal Python error: Segmentation fault")
+    # what a model prints (Python, native code) is its row's, not the terminal's (tests/test_worker_output.py)
+    assert got["patho/noisy"]["outcome"] == "pass"
+    assert "noisy: a line on stdout" in got["patho/noisy"]["worker_output"]
+    assert "noisy: USDT-like line from native code" in got["patho/noisy"]["worker_output"]
+    assert "noisy" not in got["patho/crash"]["worker_output"]
     assert got["patho/oom"]["outcome"] == "oom"  # 8 GiB would fit this machine: only the cap stops it
     assert "allocate" in got["patho/oom"]["error_message"]
     assert got["tiny/bert/base"]["outcome"] == "pass" and got["tiny/gpt2/causal-lm"]["outcome"] == "pass"

@@ -193,4 +193,4 @@ def test_mode_is_part_of_the_run_identity_and_the_matrix(tmp_path: Path) -> None
     index = build_report(db, tmp_path / "site", night=True)
     page = next((index.parent / "models").glob("tiny_bert_base*.html")).read_text()
     assert "mode=train" in page and page.count('<tr><td>sim') >= 2, page[:3000]
-    assert "grad_worst_ratio" in page and "loss_kind" in page
+    assert "worst gradient ratio" in page and "loss_kind" in page

@@ -135,11 +135,15 @@ def _text(v: Any) -> str:
 
 
 def detail_of(row: dict[str, Any]) -> str:
-    """What is worth pinning beside the outcome: the failing op or the first drifting module's type."""
+    """What is worth pinning beside the outcome: the failing op or the first drifting module's type; for a
+    declared-precision pass, whether full precision confirmed it (or a drift it hid)."""
+    confirm = _text(row.get("confirm"))
     if row.get("outcome") == "unsupported_op":
         return _text(row.get("unsupported_op"))
     if row.get("outcome") == "drift":
-        return _text(row.get("first_drift_module_type"))
+        return " ".join(x for x in (_text(row.get("first_drift_module_type")), f"({confirm})" if confirm else "") if x)
+    if row.get("outcome") == "pass_declared":
+        return confirm
     return ""
 
 
@@ -175,14 +179,11 @@ def write_expected(path: str | os.PathLike, config: Config, rows: list[Expected]
 
 def read_expected_header(p: Path, *, what: str = "expected file") -> tuple[Config, list[tuple[int, str]]]:
     """The configuration a baseline file's ``#`` header names, and its other non-empty lines (numbered)."""
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"{what} {p} does not exist; create it with `portharness baseline update`")
     header: dict[str, str] = {}
     body: list[tuple[int, str]] = []
-    try:
-        text = csvio.read_text(p)  # a spreadsheet's byte-order mark is not part of the first line
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{p}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    text = csvio.read_text(p, what)  # a spreadsheet's byte-order mark is not part of the first line
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("#"):
             key, sep, value = line[1:].partition(":")
@@ -236,10 +237,8 @@ def read_flaky(path: str | os.PathLike) -> dict[str, str]:
     so the list says why each model is excused (ValueError ``path:line`` otherwise).
     """
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"flaky list {p} does not exist")
     out: dict[str, str] = {}
-    for n, line in enumerate(p.read_text(encoding="utf-8-sig").splitlines(), 1):
+    for n, line in enumerate(files.read_text(p, "--flaky").splitlines(), 1):
         entry, _, reason = line.partition("#")
         entry, reason = entry.strip(), reason.strip()
         if not entry:
@@ -328,7 +327,8 @@ def _records(df: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[dict[str, An
         return []
     if "run_started_at" in df.columns:
         df = df.sort_values("run_started_at", kind="stable")
-    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "error_message", "error_type", *extra)
+    cols = ("model_id", "outcome", "unsupported_op", "first_drift_module_type", "confirm", "error_message", "error_type",
+            *extra)
     return list({r["model_id"]: r for r in column_records(df, cols)}.values())
 
 

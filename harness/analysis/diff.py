@@ -27,6 +27,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import files
 from harness.analysis.fingerprint import group_key, is_failure, key_label
 from harness.analysis.matrix import column_records, with_config
 from harness.analysis.perfgate import PerfGate, format_gate, gate
@@ -132,11 +133,8 @@ def load_allowlist(path: str | os.PathLike | None) -> list[str]:
     """Known-flaky model id patterns: one per line, ``#`` comments, fnmatch wildcards allowed."""
     if path is None:
         return []
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"flaky allowlist {p} does not exist")
     patterns = []
-    for line in p.read_text().splitlines():
+    for line in files.read_text(path, "--flaky-allowlist").splitlines():
         entry = line.split("#", 1)[0].strip()
         if entry:
             patterns.append(entry)

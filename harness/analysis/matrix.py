@@ -117,30 +117,47 @@ def outcome_counts(df: pd.DataFrame) -> dict[str, int]:
     return {o: int(counts.get(o, 0)) for o in OUTCOMES}
 
 
-def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
-    """Per-group totals, per-outcome counts and pass rate; grouped by config too if there are several.
+CONFIRM_KINDS = ("confirmed", "unconfirmed", "hidden drift")  # harness.run.variants.Confirmation's words
 
-    ``target_pass_rate`` excludes load/reference failures, which say nothing about the target backend.
+
+def confirm_counts(df: pd.DataFrame) -> dict[str, int]:
+    """Rows confirmed at the device's highest precision (pass_declared that held), not confirmed (the
+    device has no such mode: the declared precision may hide a bug), and drifts it found (hidden drift)."""
+    if df.empty or "confirm" not in df.columns:
+        return {}
+    counts = latest_per_key(df)["confirm"].fillna("").value_counts()
+    return {k: int(counts[k]) for k in CONFIRM_KINDS if counts.get(k, 0)}
+
+
+def pass_rates(df: pd.DataFrame, by: str = "arch") -> pd.DataFrame:
+    """Per group (grouped by config too if there are several): the headline of the summary's cards, then
+    how many rows of each outcome, most matched first.
+
+    ``ran_pct`` is the share of the models the target was asked to run (reference- and device-side
+    outcomes left out) that ran to the end, ``matched_pct`` the share of those whose numerics matched
+    (pass, pass_declared, flaky): an architecture that is all pass_declared is 100% / 100%. ``pass_pct``
+    is the fp32-exact pass share of the same denominator as ``ran_pct``. Percentages (0-100), NaN where
+    the denominator is empty.
     """
     if by not in GROUP_KEYS:
         raise ValueError(f"by must be one of {', '.join(GROUP_KEYS)}, got {by!r}")
     df = latest_per_key(df)
     keys = ["config", by] if df["config"].nunique() > 1 else [by]
+    order = list(OUTCOMES[::-1])  # pass first: the table reads from what works to what does not
     if df.empty:
-        return pd.DataFrame(columns=[*keys, "n", "pass", "pass_rate", "target_pass_rate", "ran_rate", "matched_rate",
-                                     *OUTCOMES])
+        return pd.DataFrame(columns=[*keys, "n", "ran_pct", "matched_pct", "pass_pct", *order])
     df = df.assign(**{by: df[by].fillna("").replace("", UNKNOWN)})
-    counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=list(OUTCOMES), fill_value=0)
+    counts = pd.crosstab([df[k] for k in keys], df["outcome"]).reindex(columns=order, fill_value=0)
     counts.columns.name = None
     n = counts.sum(axis=1)
-    not_ref = n - counts[sorted(NOT_THE_MODELS)].sum(axis=1)
-    out = pd.DataFrame({"n": n, "pass": counts["pass"]})
-    out["pass_rate"] = (counts["pass"] / n).round(4)
-    out["target_pass_rate"] = (counts["pass"] / not_ref.where(not_ref > 0)).round(4)
+    tested = n - counts[sorted(NOT_THE_MODELS)].sum(axis=1)
+    tested = tested.where(tested > 0)
     ran = counts[sorted(RAN)].sum(axis=1)
-    out["ran_rate"] = (ran / not_ref.where(not_ref > 0)).round(4)  # TorchTPU's "ran"
-    out["matched_rate"] = (counts[sorted(MATCHED)].sum(axis=1) / ran.where(ran > 0)).round(4)  # "matched numerics"
-    out = pd.concat([out, counts.drop(columns=["pass"])], axis=1).reset_index()
+    out = pd.DataFrame({"n": n})
+    out["ran_pct"] = (100 * ran / tested).round(1)  # TorchTPU's "ran"
+    out["matched_pct"] = (100 * counts[sorted(MATCHED)].sum(axis=1) / ran.where(ran > 0)).round(1)  # "matched"
+    out["pass_pct"] = (100 * counts["pass"] / tested).round(1)
+    out = pd.concat([out, counts], axis=1).reset_index()
     return out.sort_values(["n", *keys], ascending=[False, *([True] * len(keys))], kind="stable").reset_index(
         drop=True
     )
@@ -177,8 +194,7 @@ def read_opinfo(source: pd.DataFrame | str | os.PathLike) -> pd.DataFrame:
         table = source.copy()
     else:
         path = Path(source)
-        if not path.is_file():
-            raise FileNotFoundError(f"OpInfo table {path} does not exist")
+        csvio.read_text(path, "--opinfo")  # a missing, unreadable or non-UTF-8 file: one line naming it
         table = csvio.read_frame(path)
     missing = [c for c in OPINFO_COLUMNS if c not in table.columns]
     if missing:

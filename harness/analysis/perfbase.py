@@ -14,6 +14,7 @@ numbers are the machine's: commit it from the machine (or runner type) the night
 from __future__ import annotations
 
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,8 @@ def _num(p: Path, n: int, name: str, text: str, *, required: bool = False) -> fl
         v = float(text)
     except ValueError:
         raise ValueError(f"{p}:{n}: {name} {text!r} is not a number") from None
-    if not v > 0 or v != v:
-        raise ValueError(f"{p}:{n}: {name} {text!r} must be a positive number")
+    if not 0 < v < math.inf:  # nan, inf: a model that leaves the gate without a word
+        raise ValueError(f"{p}:{n}: {name} {text!r} must be a positive finite number")
     return v
 
 
@@ -112,8 +113,10 @@ def read_perf(path: str | os.PathLike) -> tuple[Config, dict[str, dict[str, Any]
         if model in out:
             raise ValueError(f"{p}:{n}: model {model!r} is listed twice")
         median = _num(p, n, "median", med, required=True)
-        perf: dict[str, Any] = {q: {"median": median, "lo": _num(p, n, "lo", lo) or median,
-                                    "hi": _num(p, n, "hi", hi) or median, "n": int(_num(p, n, "n", count) or 0)}}
+        low, high = _num(p, n, "lo", lo) or median, _num(p, n, "hi", hi) or median
+        if not low <= median <= high:
+            raise ValueError(f"{p}:{n}: lo {lo!r} and hi {hi!r} for {model!r} must bracket the median {med!r}")
+        perf: dict[str, Any] = {q: {"median": median, "lo": low, "hi": high, "n": int(_num(p, n, "n", count) or 0)}}
         if (ref_s := _num(p, n, "reference_s", ref)) is not None:
             perf["reference"] = {"median": ref_s}
         if (total_us := _num(p, n, "profile_us", total)) is not None:
@@ -124,5 +127,7 @@ def read_perf(path: str | os.PathLike) -> tuple[Config, dict[str, dict[str, Any]
                     raise ValueError(f"{p}:{n}: top_ops entry {item!r}: expected 'aten::op=µs'")
                 pairs.append([op, _num(p, n, f"top_ops {op}", us, required=True)])
             perf["profile"] = {"total_us": total_us, "ops": pairs}
+            if len(pairs) >= TOP_OPS:  # the row's other ops were dropped here: none of them had more than the last
+                perf["profile"]["floor_us"] = min(us for _, us in pairs)
         out[model] = perf
     return config, out

@@ -284,13 +284,10 @@ def read_allowlist(path: str | None) -> dict[str, str]:
     """The perf allowlist: ``model-id-or-pattern  # why`` per line (the reason may be left out)."""
     if path is None:
         return {}
-    from pathlib import Path
+    from harness.files import read_text
 
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"perf allowlist {p} does not exist")
     out: dict[str, str] = {}
-    for line in p.read_text(encoding="utf-8-sig").splitlines():
+    for line in read_text(path, "--perf-allowlist").splitlines():
         entry, _, reason = line.partition("#")
         if entry.strip():
             out[entry.strip()] = reason.strip()

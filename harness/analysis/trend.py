@@ -92,7 +92,7 @@ def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(files.read_text(p, "--history").splitlines(), 1):
         if not line.strip():
             continue
         try:

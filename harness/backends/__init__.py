@@ -18,6 +18,7 @@ import importlib
 import os
 from collections.abc import Iterable
 
+from harness.backends import owner
 from harness.backends.base import Adapter
 from harness.backends.cpu import CpuAdapter
 from harness.backends.sim import SimAdapter
@@ -59,6 +60,7 @@ def load_backends(modules: Iterable[str], *, entry_points: bool = False) -> None
     if entry_points and not _entry_points_loaded and torch._is_device_backend_autoload_enabled():
         torch._import_device_backends()
         _entry_points_loaded = True
+    modules = list(modules)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -67,6 +69,7 @@ def load_backends(modules: Iterable[str], *, entry_points: bool = False) -> None
                 f"--backend {name}: cannot import it ({type(e).__name__}: {str(e)[:300]}); install the backend's "
                 "package or put it on PYTHONPATH"
             ) from e
+    owner.note_given(modules)  # their code is the backend's (a traceback through it is the backend's)
 
 
 def resolve_target(target: str) -> tuple[Adapter, list[str]]:

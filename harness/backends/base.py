@@ -5,19 +5,29 @@
 backend's device module, the precision knob is `torch.set_float32_matmul_precision`, and nothing is
 known about its errors beyond PyTorch's own messages. Backends with more to say (`sim`, the CPU, a
 vendor's) subclass it and override only what differs.
+
+Whose code raised an error decides two verdicts: a dispatcher error naming another backend ("Could not
+run 'aten::X' with arguments from the 'CPU' backend") is the target's missing op only when the backend's
+own code relayed it, and a connection error (refused, reset, broken pipe, timeout) is the device's in
+*every* phase where the backend's code raised it (loading seeds the device, `.to(device)` moves to it),
+anywhere in the target phase. The backend's code is found by what it is known by, not by its device
+module's ``__file__`` alone (a Python backend may register a module object made at run time, which has
+none): the modules given with ``--backend``, the package behind its ``torch.backends`` entry point, the
+device module object (its file, else its functions' or its class's module) and the Python file that
+registered the PrivateUse1 kernels, each standing for its top-level package; never torch's, the standard
+library's or portharness's own (`harness.backends.owner` has the rule as a table). A refused connection
+(nobody serves the device, after the client's own reconnect window) is *unreachable*: the fleet policy
+quarantines that device at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from harness.backends import errors
+from harness.backends import errors, owner
 from harness.backends.contracts import contract
 
 # --precision values every backend accepts: torch's float32 matmul precision knob
@@ -215,13 +225,20 @@ class Adapter:
         fn = getattr(accelerator, name, None) if current is not None and current.type == self.kind else None
         return fn if callable(fn) else None
 
-    def reset_peak_memory(self, device: str) -> None:
-        """Start a new peak for `peak_memory_mb` (nothing where the backend keeps no statistics)."""
+    def reset_peak_memory(self, device: str) -> bool:
+        """Start a new peak for `peak_memory_mb`; False where the backend keeps no statistics (no such
+        function, or `torch.accelerator`'s, whose allocator for a Python backend is not a DeviceAllocator):
+        peak memory is optional, the timing around it is not."""
         import torch
 
         fn = self._memory_api("reset_peak_memory_stats")
-        if fn is not None:
+        if fn is None:
+            return False
+        try:
             fn(torch.device(device))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return False  # "Allocator for X is not a DeviceAllocator"
+        return True
 
     def peak_memory_mb(self, device: str) -> float | None:
         """The device's peak allocated memory since `reset_peak_memory` (MiB), or None where the backend
@@ -283,11 +300,19 @@ class Adapter:
 
     def lost_connection(self, exc: BaseException, stage: str = "target") -> bool:
         """`exc` is a connection to the device failing: refused, reset, a broken pipe, a timeout. Raised
-        through the backend's own code (its client talking to a device server), or anywhere in the target
-        phase; a model's own download failing while it loads is not the device's."""
+        through the backend's own code (its client talking to a device server) in any phase (loading
+        seeds the device, the reference phase seeds it again), or anywhere in the target phase; a model's
+        own download failing while it loads is not the device's."""
         if not isinstance(exc, ConnectionError | TimeoutError):  # socket.timeout is TimeoutError
             return False
         return stage == "target" or self.raised_by_backend(exc)
+
+    def unreachable(self, exc: BaseException, stage: str = "target") -> bool:
+        """`exc` says nobody serves the device: a refused connection that is a lost one (`lost_connection`),
+        raised after the client's own reconnect attempts where it makes them ("could not reach the server
+        again" from ConnectionRefusedError). Nothing will run there until it is back."""
+        return any(isinstance(link, ConnectionRefusedError) and self.lost_connection(link, stage)
+                   for link in errors.chain(exc))
 
     def blames_device(self, exc: BaseException, stage: str = "target") -> BaseException | None:
         """The exception in `exc`'s chain (what it was raised from or while handling: loaders wrap the
@@ -298,46 +323,24 @@ class Adapter:
         return None
 
     def raised_by_backend(self, exc: BaseException) -> bool:
-        """Whether the backend's own Python code is on `exc`'s traceback (it raised or relayed it)."""
-        roots = _backend_dirs(self.kind)
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename.startswith(roots):
-                return True
-            tb = tb.tb_next
-        return False
+        """Whether the backend's own Python code is on `exc`'s traceback (it raised or relayed it): code
+        of the packages the backend is known by (`harness.backends.owner`), not only its device
+        module's file, which a Python backend's module made at run time does not have."""
+        return owner.backend_code(self.kind).raised(exc)
 
     def parse_missing_op(self, exc: BaseException) -> errors.MissingOp | None:
         """The op (and dtype) `exc` says this backend lacks, or None for any other error. A dispatcher
         message naming another backend counts when the backend's own code relayed it (a remote
-        executor that could not run the op it was asked to)."""
+        executor that could not run the op it was asked to), as does a refusal only a backend makes
+        ("prims::device_put ... is not an aten op"): read from the link of the chain its code raised (a
+        compiler wraps it)."""
         if not isinstance(exc, NotImplementedError | RuntimeError | ValueError | TypeError):
             return None
-        message = str(exc)
-        missing = errors.parse_missing_op(message, self.kind)
-        if missing is None and "Could not run" in message and self.raised_by_backend(exc):
-            missing = errors.parse_missing_op(message, self.kind, relayed=True)
+        missing = errors.parse_missing_op(str(exc), self.kind)
+        if missing is None:
+            for link in errors.chain(exc):
+                if self.raised_by_backend(link):
+                    missing = errors.parse_missing_op(str(link), self.kind, relayed=True)
+                    if missing is not None:
+                        break
         return missing
-
-
-_DIRS: dict[str, tuple[str, ...]] = {}
-
-
-def _backend_dirs(kind: str) -> tuple[str, ...]:
-    """The directory of the package that provides `kind`'s device module (none for torch's own: its
-    frames are on every traceback; none while the backend is not loaded yet)."""
-    if kind in _DIRS:
-        return _DIRS[kind]
-    import torch
-
-    try:
-        module = torch.get_device_module(kind)
-    except (RuntimeError, AttributeError, ValueError):
-        return ()
-    name = module.__name__ if isinstance(module, types.ModuleType) else type(module).__module__
-    path = getattr(sys.modules.get(name), "__file__", None)
-    if not path:
-        return ()
-    root = os.path.dirname(os.path.abspath(path)) + os.sep
-    _DIRS[kind] = () if root == os.path.dirname(os.path.abspath(torch.__file__)) + os.sep else (root,)
-    return _DIRS[kind]

@@ -102,6 +102,12 @@ MISSING_OP: tuple[Pattern, ...] = (
         "NotImplementedError: toy runtime: op add is not implemented",
     ),
     Pattern(
+        "not-aten-op",
+        re.compile(r"(?P<op>[a-z_]\w*::\w+(?:\.\w+)?)'?\b[^\n]{0,60}?\bis not an aten op"),
+        "NotImplementedError: prims::device_put.default is not an aten op: the toy backend runs aten ops only",
+        relayed=True,  # a tensor-subclass backend's dispatch refusing an op the compiler traced
+    ),
+    Pattern(
         "flex-attention",
         re.compile(r"(?P<op>FlexAttention)[^\n]*(?:is only supported on|not supported)", re.IGNORECASE),
         "ValueError: FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices.",
@@ -119,6 +125,7 @@ DEVICE_FAULT = re.compile(
 )
 
 
+_DTYPE = re.compile(r"\bnot implemented for '(?P<dtype>\w+)'")
 _KERNEL_SUFFIX = re.compile(r"_(?:impl_)?(?:cuda|cpu|mps|xpu)_?$")  # AT_DISPATCH names: baddbmm_cuda
 
 
@@ -170,6 +177,9 @@ def parse_missing_op(message: str, kind: str, relayed: bool = False) -> MissingO
                 continue  # "relayed-dispatcher" claims it
             return None  # e.g. an op the CPU lacks: not the target's gap
         dtype = m.groupdict().get("dtype") or ""
+        if not dtype:  # an op named before a kernel's dtype message: aten::histc: "histogram_cpu" not implemented for 'Int'
+            d = _DTYPE.search(message, m.start())
+            dtype = d["dtype"] if d else ""
         if p.name == "flex-attention":
             return MissingOp("flex_attention", dtype)  # a feature, not an ATen op
         return MissingOp(_aten(m["op"]), dtype)

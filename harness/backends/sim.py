@@ -49,6 +49,10 @@ class SimAdapter(Adapter):
             bad = [k for k in out["numerics"].split(",") if k not in KINDS]
             if bad:
                 raise ValueError(f"--numerics-bug {','.join(bad)}: sim's planted bugs are {', '.join(KINDS)}")
+            if "cache-off-by-one" in out["numerics"].split(",") and out.get("mode") != "generate":
+                # only decoding writes a KV cache: elsewhere the bug would be planted, never met, and the row pass
+                raise ValueError("--numerics-bug cache-off-by-one: only with --mode generate (it plants a bug in the KV "
+                                 f"cache's writes, which --mode {out.get('mode', 'inference')} never makes)")
         if "slow_ops" in out:
             from harness.sim.slowdown import parse_slow_ops
 

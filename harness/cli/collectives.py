@@ -42,7 +42,7 @@ def collective_faults_config(args: argparse.Namespace):
 def _check_db(args: argparse.Namespace) -> None:
     """--db can take the rows, checked before the benchmark runs (not after minutes of it)."""
     if args.db:
-        from harness.results.store import check_writable
+        from harness.results.writable import check_writable
 
         check_writable(args.db)
 

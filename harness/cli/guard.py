@@ -145,11 +145,14 @@ def load_backends_guarded(given: list[str], timeout_s: float | None = None) -> l
     from harness.backends import backend_modules, load_backends
 
     modules = backend_modules(given)
-    if not modules:
-        return modules
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    if timeout <= 0:
+    if not timeout > 0:
         raise ValueError(f"--backend-timeout {timeout:g}: must be > 0 seconds")
+    if not modules:
+        if timeout_s is not None:  # as the options that act only beside another (cli/runs.py)
+            raise ValueError(f"--backend-timeout {timeout_s:g}: only with --backend MODULE or PORTHARNESS_BACKENDS "
+                             "(it is the deadline for importing them)")
+        return modules
     for name in probe(modules, timeout):
         print(f"portharness: --backend {name} printed to stdout while being imported; its output goes to stderr",
               file=sys.stderr)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
@@ -26,6 +28,23 @@ from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS
 DEFAULT_DB = "results/portharness.db"
 
 
+def _version() -> str:
+    """portharness's version with the torch and transformers it runs on (read without importing them)."""
+    from harness.results.rows import versions
+
+    v = versions()
+    return (f"portharness {v['harness_version']} (torch {v['torch_version'] or 'not installed'}, "
+            f"transformers {v['transformers_version'] or 'not installed'})")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as every other bad input is (`--help` stays whole).
+    Subcommands' parsers are of the same class (argparse makes them with ``type(parent)``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
 def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="sim", help="device to test: sim, sim:1, cuda, xpu, cpu, ... (default sim)")
     p.add_argument(
@@ -37,16 +56,20 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default=None, choices=["eager", "sdpa", "flex_attention"],
                    help="force an attention implementation (flex_attention reproduces the classic coverage gap)")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds per model after loading before its worker is killed")
+                   help="seconds per model after loading before its worker is killed (default 300)")
     p.add_argument("--load-timeout", type=float, default=900.0,
-                   help="seconds a model may take to load (its own budget: real checkpoints load slowly)")
+                   help="seconds a model may take to load (its own budget: real checkpoints load slowly; default 900)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "auto"],
                    help="load weights as fp32 (default: the reference is fp32), bf16, fp16, or auto "
                         "(the checkpoint's torch_dtype)")
     p.add_argument("--oracle-max-params", type=int, default=None, metavar="N",
-                   help="largest model judged against an fp64 oracle (beyond: the cosine/allclose fallback)")
-    p.add_argument("--mem-cap-mb", type=int, default=8192, help="extra memory a worker may take (0 = no cap)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="largest model judged against an fp64 oracle (beyond: the cosine/allclose fallback; default "
+                        "20e9 parameters: a float64 copy up to 50M, a streamed upcast above)")
+    p.add_argument("--mem-cap-mb", type=int, default=8192,
+                   help="extra memory a worker may take, in MiB (0 = no cap; default 8192)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the model's weights, inputs and labels (default 0; another seed is another run "
+                        "identity)")
     p.add_argument("--fault", default=None,
                    help="inject sim faults, e.g. 'sim:1=nan:1.0' (sets PORTHARNESS_SIM_FAULTS for the workers)")
     p.add_argument("--no-localize", action="store_true", help="skip the per-module drift localization")
@@ -78,12 +101,12 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", default=None, choices=["off", "cpu"],
                    help="sim: run ops outside the op profile on the host and count them (cpu) instead of failing")
     p.add_argument("--slow-ops", dest="slow_ops", default=None, metavar="SPEC",
-                   help="sim: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower; comma-separated) to see "
-                        "the speed gate catch them")
+                   help="sim, with --perf: plant slowdowns, e.g. 'aten::softmax:3' (that kernel 3x slower, 1 to 1000; "
+                        "comma-separated) to see the speed gate catch them")
     p.add_argument("--perf", action="store_true",
                    help="after the verdict, time the step on the target and the CPU reference (interleaved, "
                         "synchronized), profile the target's ops, record the device's peak memory")
-    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=1.0, metavar="SECONDS",
+    p.add_argument("--perf-budget", dest="perf_budget", type=float, default=None, metavar="SECONDS",
                    help="with --perf: at most SECONDS of timed rounds per model, after warm-up (default 1; at least "
                         "5 rounds; fewer seconds once the compared ratio's interval is tight)")
     _config_options(p)
@@ -109,10 +132,11 @@ def _config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                    help="run the target's step under torch.autocast(<device>, dtype); the expected reference under "
                         "torch.autocast('cpu', dtype) (contracts amp-bf16, amp-fp16); fp16 training scales the loss")
-    p.add_argument("--compile-timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="seconds the compiler may run for one model (its own budget, apart from --timeout)")
+    p.add_argument("--compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --compile: seconds the compiler may run for one model (its own budget, apart from "
+                        "--timeout; default 600)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
+                   help="with --compile: Inductor's FX graph and AOTAutograd caches (default: <db>-compile-cache/ next to the DB; "
                         "~/.cache/portharness/compile-cache for check without --db)")
     p.add_argument("--compiler-bug", dest="compiler_bug", default=None, metavar="KIND",
                    help="sim: plant a compiler-only bug in Inductor's generated code (erf-tanh), with --compile inductor")
@@ -137,8 +161,9 @@ def _perf_gate_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="portharness",
-               description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
+    ap = Parser(prog="portharness",
+                description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
+    ap.add_argument("--version", action="version", version=_version())
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "
@@ -181,14 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     _ref_cache_options(p, "default: ref-cache/ next to --db")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix and pass rates")
-    p.add_argument("--db", default=DEFAULT_DB)
+    p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix, ran %% and matched %%")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
     p.add_argument("--run", default=None, help="run id (default: latest)")
-    p.add_argument("--by", choices=["arch", "task", "modality"], default=None, help="also print pass rates by this")
+    p.add_argument("--by", choices=["arch", "task", "modality"], default=None,
+                   help="also print ran %% and numerics matched %% by this")
     p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
     p.add_argument("--perf", action="store_true",
-                   help="print the speed of every model timed with --perf (and export it with --out instead of the matrix)")
+                   help="print the speed of every model timed with --perf instead of the outcome matrix (and export "
+                        "it with --out)")
     p.add_argument("--out", default=None, help="export the matrix (.csv, .json, .parquet)")
     p.set_defaults(func=cmd_matrix)
 
@@ -198,17 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default=None, help="head run id (default: latest run)")
     p.add_argument("--base-db", default=None, help="DB of the base run (its latest run)")
     p.add_argument("--head-db", default=None, help="DB of the head run (its latest run)")
-    p.add_argument("--drift-factor", type=float, default=2.0, help="rmse-ratio growth counted as regression")
+    p.add_argument("--drift-factor", type=float, default=2.0,
+                   help="rmse-ratio growth counted as a regression (default 2.0: twice the base run's ratio)")
     p.add_argument("--flaky-allowlist", default=None, help="file of model ids known to be flaky")
     p.add_argument("--night", action="store_true",
                    help="with --base-db/--head-db: compare every configuration's latest run (merged nightly DBs)")
     _perf_gate_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the diff as JSON")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("report", help="build the static HTML report")
-    p.add_argument("--db", default=DEFAULT_DB)
-    p.add_argument("--out", default="reports/site")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
+    p.add_argument("--out", default="reports/site",
+                   help="directory of the site, rebuilt in place (default reports/site); open its index.html")
     p.add_argument("--run", default=None, help="run id (default: latest)")
     p.add_argument("--base", default=None, help="base run for the diff page")
     p.add_argument("--base-db", default=None, help="previous night's DB for the diff page")
@@ -226,16 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("collectives", help="benchmark collective settings on the target")
     p.add_argument("--target", default="sim", help="sim, cpu (gloo) or cuda (nccl)")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--sizes", default=None, help="comma-separated byte counts, k/m suffixes allowed (default 4k,64k,1m,16m)")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats per size and setting (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repeats first (default 2)")
     p.add_argument("--settings", default=None, help="comma-separated setting names (fused, skinny[:N], bucket:N, "
-                   "cap:N, per-device, per-host[:k])")
+                   "cap:N, per-device, per-host[:k]; default fused,skinny,bucket:256k,cap:256k,per-host)")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", help="skip the DDP training-step benchmark")
     _backend_option(p)
     p.add_argument("--db", default=None, help="record rows in this result DB")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds; with --faults: the detection budget (default 10; the collective timeout is half, "
                    "the stall watchdog a fifth); else the collective timeout (default 300)")
@@ -252,11 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_collectives)
 
     p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "model_lists" / "tiny-zoo.csv"))
-    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    zoo_csv = Path(__file__).resolve().parents[1] / "model_lists" / "tiny-zoo.csv"
+    p.add_argument("--out", default=str(zoo_csv), help=f"the list to write (default {zoo_csv})")
+    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)),
+                   help="worker processes (default: one per CPU core)")
     p.add_argument("--limit", type=int, default=None, help="only the first N candidates (for a quick look)")
     p.add_argument("--only", default=None, help="comma-separated model types or type/task pairs")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per candidate (default 120)")
     p.add_argument("--report", default=None, help="write every candidate's result as JSON here")
     p.set_defaults(func=cmd_zoo)
     _nightly_parsers(sub)
@@ -274,7 +305,7 @@ def _cache_parsers(sub: Any) -> None:
     for q in (stats, prune):
         q.add_argument("--ref-cache", default=None, metavar="DIR", help="the cache (default: ref-cache/ next to --db)")
         q.add_argument("--db", default=DEFAULT_DB, help=f"the result DB the cache sits next to (default {DEFAULT_DB})")
-        q.add_argument("--json", action="store_true")
+        q.add_argument("--json", action="store_true", help="print the answer as JSON")
     prune.add_argument("--older-than", default=None, metavar="AGE",
                        help="remove entries not used for AGE: a number with s, m, h, d or w (30d, 12h)")
     prune.add_argument("--max-size", default=None, metavar="SIZE",
@@ -289,37 +320,63 @@ def _nightly_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_baseline)
     b = p.add_subparsers(dest="baseline_command", required=True)
     p = b.add_parser("update", help="write the expected file(s) from a run")
-    p.add_argument("--db", required=True)
+    p.add_argument("--db", required=True, help="result DB of the run (a merged nightly DB: every configuration)")
     p.add_argument("--run", help="run id (default: the DB's run, or the one --out is named for)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--out", help="expected file, e.g. model_lists/expected/<list>--<target>--<settings>.csv")
     g.add_argument("--out-dir", help="write one conventionally named file per configuration in the DB")
     p = b.add_parser("check", help="classify a run against its expected file; exit 1 on new failures or unexpected passes")
-    p.add_argument("--db", required=True)
+    p.add_argument("--db", required=True, help="result DB of the run to check (a merged nightly DB: every configuration)")
     p.add_argument("--run", help="run id (default: the latest run of the file's configuration)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--expected", help="expected file")
     g.add_argument("--expected-dir", help="check every configuration in the DB against its file here")
     p.add_argument("--flaky", help="flaky list: 'model-or-pattern  # reason' per line")
     _perf_gate_options(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
     p = sub.add_parser("trend", help="nightly history: append a night's summary, show the trend")
     p.set_defaults(func=cmd_trend)
     t = p.add_subparsers(dest="trend_command", required=True)
     p = t.add_parser("append", help="append the DB's night (latest run per configuration) to the history file")
-    p.add_argument("--db", required=True)
+    p.add_argument("--db", required=True, help="result DB of the night (a merged nightly DB: every configuration)")
     p.add_argument("--history", required=True, help="history file (JSON lines; created on the first night)")
     p.add_argument("--date", help="the night's date (default: each run's start date)")
     p.add_argument("--summary", help="also write the night's headline as a Markdown table here")
     p = t.add_parser("show", help="print the trend per configuration")
-    p.add_argument("--history", required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--history", required=True, help="history file (JSON lines, from trend append)")
+    p.add_argument("--json", action="store_true", help="print the history as JSON")
 
     p = sub.add_parser("groups", help="failures grouped by fingerprint (outcome, op or module type, error line)")
-    p.add_argument("--db", default=DEFAULT_DB)
+    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
     p.add_argument("--run", help="run id (default: latest)")
-    p.add_argument("--limit", type=int, default=30, help="groups to print")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--limit", type=int, default=30, help="groups to print (default 30)")
+    p.add_argument("--json", action="store_true", help="print every group as JSON")
     p.set_defaults(func=cmd_groups)
 
+
+
+@functools.cache
+def _check_options() -> dict[str, argparse.Action]:
+    """`check`'s options by destination (a run's settings are keyed by them), the first spelling of each."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    out: dict[str, argparse.Action] = {}
+    for action in sub.choices["check"]._actions:
+        if action.option_strings:
+            out.setdefault(action.dest, action)
+    return out
+
+
+def check_command(model_id: str, target: str, settings: dict[str, Any]) -> str:
+    """The `portharness check` command line that reproduces one row: its model, target and settings, each
+    setting spelled as the option that set it (values equal to the option's default left out)."""
+    parts = ["portharness", "check", model_id, "--target", target]
+    options = _check_options()
+    for key, value in sorted((settings or {}).items()):
+        action = options.get(key)
+        flag = action.option_strings[0] if action is not None else f"--{key.replace('_', '-')}"
+        if action is not None and action.nargs == 0:  # a switch (--dynamic)
+            parts += [flag] if value and value != action.default else []
+        elif action is None or str(value) != str(action.default):
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)

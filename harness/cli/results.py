@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+RATE_LABELS = {"ran_pct": "ran %", "matched_pct": "matched %", "pass_pct": "pass %"}  # columns as printed
+
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
-    from harness.console import headline_line, outcome_line, print_frame
+    from harness.console import confirm_line, headline_line, outcome_line, print_frame
     from harness.outcomes import OUTCOMES
 
     if args.out:
@@ -20,12 +22,17 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     total = sum(counts.values())
     print(f"run {rid}: {total} result(s); {headline_line(counts).strip()}")
     print(outcome_line(counts))
+    confirmed = mx.confirm_counts(df)
+    if confirmed:
+        print(confirm_line(confirmed))
     mat = mx.matrix(df)
-    print_frame("matrix", mat)
+    if not args.perf:  # --perf asks for the speed tables: the outcome matrix would push them off the screen
+        print_frame("matrix", mat)
     if args.by:
         rates = mx.pass_rates(df, args.by)
-        empty = [o for o in OUTCOMES if o != "pass" and o in rates and not rates[o].any()]
-        print_frame(f"pass rate by {args.by}", rates.drop(columns=empty))
+        empty = [o for o in OUTCOMES if o in rates and not rates[o].any()]
+        print_frame(f"ran % and numerics matched % by {args.by} (pass % = fp32-exact)",
+                    rates.drop(columns=empty).rename(columns=RATE_LABELS))
     if args.ops:
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
     speed = mx.perf_summary(df)
@@ -46,12 +53,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if not args.perf_regression > 1:
         raise ValueError(f"--perf-regression {args.perf_regression}: must be > 1 (1.2 = 20% slower)")
     perf_allowlist = read_allowlist(args.perf_allowlist)  # before anything is read or printed
+    flaky_allowlist = load_allowlist(args.flaky_allowlist)
     (base_id, base_df), (head_id, head_df) = resolve_runs(
         db=args.db, base=args.base, head=args.head, base_db=args.base_db, head_db=args.head_db, night=args.night
     )
     res = diff_runs(base_df, head_df, base_run=base_id, head_run=head_id, drift_factor=args.drift_factor,
-                    flaky_allowlist=load_allowlist(args.flaky_allowlist), perf_threshold=args.perf_regression,
-                    perf_allowlist=perf_allowlist)
+                    flaky_allowlist=flaky_allowlist, perf_threshold=args.perf_regression, perf_allowlist=perf_allowlist)
     print(json.dumps(res.to_dict(), indent=1) if args.json else terminal_text(format_summary(res)))
     return 1 if res.failed else 0
 
@@ -59,11 +66,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import time
 
+    from harness.cli.options import check_command
     from harness.report import build_report
 
     t0 = time.perf_counter()
     index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
-                         opinfo_csv=args.opinfo, history=args.history, night=args.night)
+                         opinfo_csv=args.opinfo, history=args.history, night=args.night, command=check_command)
     print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
           f"(open it from disk: file://{index.resolve()})")
     return 0
@@ -109,7 +117,7 @@ def cmd_trend(args: argparse.Namespace) -> int:
     if args.trend_command == "append":
         print(trend.append_night(args.db, args.history, date=args.date, summary=args.summary))
         return 0
-    if not Path(args.history).is_file():
+    if not Path(args.history).exists():  # a directory, a FIFO: read_history names the trouble
         raise FileNotFoundError(f"history file {args.history} does not exist")
     entries = trend.read_history(args.history)
     print(json.dumps(entries, indent=1) if args.json else trend.format_history(entries))

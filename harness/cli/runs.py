@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 
@@ -51,15 +52,32 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     settings = adapter.check_settings(options)
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
-    if args.compile_timeout <= 0:
-        raise ValueError(f"--compile-timeout {args.compile_timeout}: must be > 0 seconds")
+    _acting(args, settings)
+    given = {k: getattr(args, a) for k, a in (("compile_timeout_s", "compile_timeout"), ("perf_budget_s", "perf_budget"))
+             if getattr(args, a) is not None}
     config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
-                       load_timeout_s=args.load_timeout, compile_timeout_s=args.compile_timeout,
-                       compile_cache=args.compile_cache,
+                       load_timeout_s=args.load_timeout, compile_cache=args.compile_cache,
                        mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize,
-                       perf=args.perf, perf_budget_s=args.perf_budget, **overrides)
+                       perf=args.perf, **given, **overrides)
     config.validate()
     return config
+
+
+# Options that act only beside another (option, the one it needs, what it is): refused alone, as --dynamic,
+# --compiler-bug, --new-tokens and --cache are, rather than accepted and silently ignored.
+_NEEDS = (("perf_budget", "--perf-budget", "perf", "--perf", "the time --perf spends timing each model"),
+          ("slow_ops", "--slow-ops", "perf", "--perf", "only timing sees a planted slowdown"),
+          ("compile_timeout", "--compile-timeout", "compile", "--compile BACKEND", "the compiler's own deadline"),
+          ("compile_cache", "--compile-cache", "compile", "--compile BACKEND", "it holds compiled code"))
+
+
+def _acting(args: argparse.Namespace, settings: dict[str, Any]) -> None:
+    """ValueError naming an option given without the one it acts with (see `_NEEDS`)."""
+    for key, flag, needs, needs_flag, why in _NEEDS:
+        value = getattr(args, key)
+        if value is not None and not (args.perf if needs == "perf" else needs in settings):
+            shown = repr(value) if key == "slow_ops" else value
+            raise ValueError(f"{flag} {shown}: only with {needs_flag} ({why})")
 
 
 def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,15 +99,25 @@ def _generate_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ref_cache(args: argparse.Namespace, db: str | None) -> str | None:
-    """The reference cache directory (None: none), refused before any work if it cannot be written."""
-    from harness.files import check_writable
-    from harness.run.refcache import default_root
+    """The reference cache directory (None: none), refused before any work if it cannot be written, unless
+    it is a filled cache on read-only storage (a fleet's shared copy, mounted read-only): then it is read and
+    nothing is stored (each entry it lacks is computed, its row says why it was not stored)."""
+    from harness.files import OutputError, check_writable
+    from harness.run.refcache import default_root, is_cache
 
     if args.no_ref_cache or not (args.ref_cache or db):
         return None
     path = os.path.abspath(args.ref_cache) if args.ref_cache else str(default_root(db))
-    check_writable(path, create_parents=True, directory=True)  # created by the first entry stored, not here
+    try:
+        check_writable(path, create_parents=True, directory=True)  # created by the first entry stored, not here
+    except OutputError:
+        if not (is_cache(Path(path)) and os.access(path, os.R_OK | os.X_OK)):
+            raise
     return path
+
+
+def _read_only(path: str) -> bool:
+    return not os.access(path, os.W_OK) if os.path.isdir(path) else False
 
 
 def _saved_rows(db: str, **run: Any) -> int:
@@ -105,22 +133,27 @@ def _saved_rows(db: str, **run: Any) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from harness.console import clean_row, terminal_text, verdict_lines
-    from harness.fleet.runner import run_models
     from harness.models.model_list import find_entry
+
+    # The model first: a typo in its id is answered before torch and transformers are imported (seconds).
+    entry = find_entry(args.model, task=args.task)
+    from harness.console import clean_row, terminal_text, verdict_lines
+    from harness.fleet.runconfig import check_compile_cache
+    from harness.fleet.runner import run_models
     from harness.outcomes import PASSING
-    from harness.results.store import ResultStore, check_writable
+    from harness.results.store import ResultStore
+    from harness.results.writable import check_writable
 
     # One model: its worker forks from this process (one import of torch and transformers, not two) and
     # still isolates a segfault or a hang from the CLI.
     config = _run_config(args, jobs=1, retries=0, progress=False, fork_workers=True)
-    if not args.db and not config.compile_cache:  # the DB is temporary: its caches would be too
+    if "compile" in config.settings and not args.db and not config.compile_cache:  # a temporary DB's caches would be too
         config.compile_cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                             "portharness", "compile-cache")
-    entry = find_entry(args.model, task=args.task)
     if args.db:
         check_writable(args.db)  # before any write: see cmd_run
     config.ref_cache = _ref_cache(args, args.db)
+    check_compile_cache(config, args.db or "")  # without --db: the default set above
     if not args.db:  # the DB is temporary; a repro of a diverging op must outlive it (an empty dir must not)
         config.repro_dir = tempfile.mkdtemp(prefix="portharness-repro-")
     try:
@@ -141,12 +174,13 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.console import headline_line, outcome_table
+    from harness.console import confirm_line, headline_line, outcome_table
     from harness.fleet.executor import executor_for
+    from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.models.model_list import load_model_list
     from harness.results.dbfile import StoreWriteError
-    from harness.results.store import check_writable
+    from harness.results.writable import check_writable
 
     entries = load_model_list(args.list)
     if args.only:
@@ -160,23 +194,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not entries:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
     executor = executor_for(args.executor)
-    if args.ray_address is not None and not executor.address_option:
-        raise ValueError(f"--ray-address {args.ray_address}: needs --executor ray")
     executor.check()  # its library missing (Ray): say so before anything else
     jobs = (args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default
             else max(1, os.cpu_count() or 1))
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
                          rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
-    fleet = fleet_for(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
-    # or a new file we can create) and --report can be written: checked before the banner and any write
+    # or a new file we can create), --report can be written, the caches kept: checked before the banner and any
+    # write, and before a Ray instance is started for the fleet
     check_writable(args.db)
     if args.report:
         from harness.report import check_out
 
         check_out(args.report)
     config.ref_cache = _ref_cache(args, args.db)
+    check_compile_cache(config, args.db)
+    fleet = fleet_for(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     except OSError as e:
@@ -192,7 +226,9 @@ def cmd_run(args: argparse.Namespace) -> int:
           + (f"{jobs} worker(s)" if executor.one_host else
              f"{jobs or len(fleet.active)} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)")
           + f" -> {args.db}"
-          + (f" (reference cache {config.ref_cache})" if config.ref_cache else ""), file=sys.stderr)
+          + (f" (reference cache {config.ref_cache}"
+             + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
+             if config.ref_cache else ""), file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv))
@@ -217,9 +253,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(headline_line(counts), file=human)
     print(outcome_table(counts, done), file=human)
     if summary.confirmed:  # pass_declared rows, run again at full precision
-        c = summary.confirmed
-        print(f"  at full precision: {c.get('confirmed', 0)} pass_declared confirmed, {c.get('unconfirmed', 0)} "
-              f"unconfirmed, {c.get('hidden drift', 0)} drift(s) the declared precision hid", file=human)
+        print(confirm_line(summary.confirmed), file=human)
     if summary.with_fallback:
         print("  with CPU fallback: " + ", ".join(f"{o} {n}" for o, n in sorted(summary.with_fallback.items())),
               file=human)
@@ -229,16 +263,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""), file=human)
+    if config.perf:
+        _speed_summary(args.db, summary.run_id, human)
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if summary.never_worked:
         print(f"portharness: {summary.never_worked}", file=sys.stderr)
     if args.report:
+        from harness.cli.options import check_command
         from harness.files import OutputError
         from harness.report import build_report
 
         try:
-            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id)}", file=human)
+            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id, command=check_command)}",
+                  file=human)
         except OutputError as e:
             print(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report again with "
                   f"`portharness report --db {args.db} --out {args.report}`", file=sys.stderr)
@@ -246,6 +284,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(summary), indent=2))
     return 0 if not summary.unfinished and not summary.never_worked else 1
+
+
+def _speed_summary(db: str, run_id: str, out: Any, slowest: int = 5) -> None:
+    """`run --perf`'s last lines: the geometric means of the run, and its models slowest against the CPU."""
+    from harness.analysis import matrix as mx
+    from harness.console import print_frame
+
+    _, df = mx.load_results(db, run_id)
+    table = mx.perf_table(df)
+    if table.empty:
+        print("  speed (--perf): no model was timed", file=out)
+        return
+    if out is not sys.stdout:  # --json: stdout is the JSON alone; one line here
+        for r in mx.perf_summary(df).to_dict("records"):
+            print(f"  speed (--perf) {r['config']}: {r['models']} models, geomean target {r['geomean_target_ms']} ms, "
+                  f"target/reference {r['geomean_ratio']}x", file=out)
+        return
+    print_frame("speed (--perf): geometric means per configuration", mx.perf_summary(df))
+    top = table.sort_values("ratio", ascending=False, na_position="last").head(slowest).reset_index(drop=True)
+    if top["config"].nunique() == 1:
+        top = top.drop(columns="config")  # one configuration: the table above names it
+    print_frame(f"slowest against the CPU reference (top {slowest}; all: portharness matrix --perf --db {db})", top)
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:

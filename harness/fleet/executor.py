@@ -142,14 +142,14 @@ class RayExecutor:
     all_devices_by_default = True
 
     def check(self) -> None:
-        from harness.fleet.raypool import ray_module
+        from harness.fleet.raycluster import ray_module
 
         ray_module()
 
     def devices(self, target: str, address: str | None) -> list[str]:
-        from harness.fleet import raypool
+        from harness.fleet import raycluster
 
-        return raypool.devices(target, address)
+        return raycluster.devices(target, address)
 
     def pool(self, spec: PoolSpec, usable: Callable[[str], bool]) -> WorkerPool:
         from harness.fleet.raypool import RayPool
@@ -158,9 +158,9 @@ class RayExecutor:
                        budgets=spec.budgets, startup_timeout_s=spec.startup_timeout_s, usable=usable)
 
     def release(self) -> None:
-        from harness.fleet import raypool
+        from harness.fleet import raycluster
 
-        raypool.disconnect()
+        raycluster.disconnect()
 
 
 EXECUTORS: dict[str, type[LocalExecutor] | type[RayExecutor]] = {"local": LocalExecutor, "ray": RayExecutor}
@@ -176,7 +176,8 @@ def executor_for(name: str) -> Executor:
 def death(w: PoolWorker, budgets: Budgets) -> Measurement:
     """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
     code, sig = w.death()
-    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host}
+    where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host,
+             "worker_output": getattr(w, "output", "")}  # a local worker's output during the job (capture.py)
     if w.killed_for == "timeout":
         error_type, why = budgets.why(w.clock, w.key)
         return Measurement(**where, outcome="timeout", error_type=error_type, signal=sig,

@@ -20,6 +20,9 @@ The attribution rule (`settle`), one row per kind of evidence from one attempt o
   (lost device, ECC; its client's       |                              | not faulted on (outside        | device_error, pending
   connection refused / reset / timed    |                              | --retries)                     | (runs again on --resume)
   out), in any phase                    |                              |                                |
+    ... its client could not reach it   | quarantine at once: nobody   | (as above)                     | (as above)
+    at all (connection refused, after   | serves it; each further model|                                |
+    the client's own reconnect window)  | would wait out that window   |                                |
   reference side (load_fail, ref_fail,  | no: the target never ran     | -                              | that outcome
   ref_nondeterministic, a CPU-phase     |                              |                                |
   death)                                |                              |                                |
@@ -303,6 +306,7 @@ def interrupt(job: Job, device: str, why: str = "quarantine") -> None:
     job.avoid.add(device)
 
 
+UNREACHED = "its backend's client could not reach it (connection refused)"
 NODE_LOST = "node_lost"  # an interrupted attempt's error_type when its node left the cluster
 UNREACHABLE = "unreachable"  # ... when Ray could not reach its actor (the actor is ended)
 
@@ -341,7 +345,10 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
     if kind == "fault":
         fleet.faults_seen += 1
         fleet.strikes[device] += 1
-        _maybe_quarantine(fleet, device, out)
+        if m.device_unreachable and device in fleet.active:  # nothing runs there until it is back
+            out.quarantined.append(quarantine(fleet, device, why=UNREACHED))
+        else:
+            _maybe_quarantine(fleet, device, out)
         job.faulted.add(device)
         job.avoid.add(device)
         return _elsewhere(fleet, job, out)

@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,13 +26,30 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from harness.fleet.budgets import Budgets, JobClock
+from harness.fleet.capture import fatal_report, read_log, remove_log
 from harness.run.memory import rss_mb
 
 PRELOAD = ["torch", "transformers", "harness.fleet.forkserver_guard"]
 
 
+def _short_socket_dir() -> None:
+    """The forkserver listens on a Unix socket in multiprocessing's temp directory, under $TMPDIR; a deep
+    one (a CI workspace, a test's tmp_path) would not fit a socket's 107 bytes ("AF_UNIX path too long"),
+    so multiprocessing's directory then goes under /tmp (it is made once per process and reused)."""
+    from multiprocessing import util
+
+    if len(os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")) < 100:
+        return
+    prev, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = prev
+
+
 def context(preload: Iterable[str] = PRELOAD) -> Any:
     """A forkserver context whose server has imported `preload` (started once per process)."""
+    _short_socket_dir()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     from multiprocessing import forkserver
@@ -101,6 +119,16 @@ class Worker:
             self.proc.kill()
             self.proc.join(2)
 
+    @property
+    def output(self) -> str:
+        """What the worker printed during its last job (its log file; `harness.fleet.capture`)."""
+        return read_log(self.proc.pid)
+
+    @property
+    def fatal(self) -> str:
+        """The fatal-signal report of a worker that died under a job ("" for any other death)."""
+        return fatal_report(self.proc.pid)
+
     def death(self) -> tuple[int | None, int | None]:
         """(exit code, signal) of a dead worker."""
         code = self.proc.exitcode
@@ -148,6 +176,7 @@ class Pool:
 
     def retire(self, w: Worker) -> None:
         """Forget a dead or killed worker."""
+        remove_log(w.proc.pid)
         if w in self.workers:
             self.workers.remove(w)
         try:
@@ -221,6 +250,7 @@ class Pool:
     def close(self) -> None:
         for w in self.workers:
             w.stop()
+            remove_log(w.proc.pid)
         self.workers.clear()
 
 
@@ -245,7 +275,10 @@ def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> Non
     the supervisor's to handle (it stops every child): a child ignores it rather than print a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
-    conn.send({"type": "ready", "pid": os.getpid()})
+    try:
+        conn.send({"type": "ready", "pid": os.getpid()})
+    except OSError:  # the supervisor stopped (SIGTERM, Ctrl-C) while this child started: no traceback
+        return
 
     def phase(name: str) -> None:
         conn.send({"type": "phase", "name": name})

@@ -13,162 +13,30 @@ with `rayactor.peek` once a job has run as long as its shortest budget: the acto
 runner replaces it),
 `lost` (the actor's node left the cluster) and `interrupted` (Ray could not reach the actor; it is
 ended). Neither of the last two says anything about the model: the runner re-runs it elsewhere (and
-takes a lost node's devices out of the fleet).
+takes a lost node's devices out of the fleet). Joining the cluster and its slots: `raycluster.py`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
-import socket
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from harness import files
-from harness.backends import adapter_for, device_type
+from harness.backends import device_type
 from harness.fleet.budgets import Budgets, JobClock
 from harness.fleet.pool import Event, ExecutorError
+from harness.fleet.raycluster import SLOTS, Slot
 
-RAY_MISSING = "--executor ray needs Ray on this machine and on every node: pip install 'portharness[ray]'"
-CONNECT_TIMEOUT_S = 10.0
 PEEK_TIMEOUT_S = 30.0
 AUTOPSY_TIMEOUT_S = 60.0
 # faulthandler's words for the fatal signals it reports
 _FATAL = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
           "Floating-point exception": signal.SIGFPE, "Floating point exception": signal.SIGFPE,
           "Illegal instruction": signal.SIGILL}
-
-
-def ray_module() -> Any:
-    """Ray, or a ValueError saying how to get it."""
-    try:
-        import ray
-    except ImportError as e:
-        raise ValueError(f"{RAY_MISSING} ({e})") from None
-    return ray
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One device of one node."""
-
-    key: str  # the fleet's name for it: "<node>/<device>"
-    node_id: str
-    host: str  # the node's name in rows: its host name (plus its node id where hosts run several)
-    device: str  # the device as the node's backend names it (Ray-assigned ones: by Ray's chip id)
-    resource: str  # the Ray resource it is
-    assigned: bool  # Ray picks the chip (its own accelerator resources); the actor then sees `<type>:0`
-    threads: int  # torch threads for its actor: the node's CPUs shared among its devices
-
-
-_slots: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`)
-_stdout: Any = None  # the CLI's stdout while Ray is connected (its notices go to stderr meanwhile)
-
-
-def _reachable(address: str) -> None:
-    """A bounded check that something listens at `address` (HOST:PORT or ray://HOST:PORT): Ray itself
-    waits minutes for an address that never answers."""
-    parts = urlsplit(address if "://" in address else f"//{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        host, port = None, None
-    if not host or not port:
-        raise ValueError(f"--ray-address {address!r}: expected auto, HOST:PORT or ray://HOST:PORT")
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        raise ValueError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the cluster "
-                         "(`ray start --head` on its head node) or fix the address") from None
-
-
-def connect(address: str | None, target: str) -> None:
-    """Join the Ray cluster at `address` (auto: the one `ray start` made on this host), or start a Ray
-    instance of this host alone (None) offering its devices of `target`'s type. ValueError if not."""
-    global _stdout
-    ray = ray_module()
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "portharness"}
-    if address is not None and address != "auto":
-        _reachable(address)
-    # Ray prints its nodes' notices (a worker died, ...) on the driver's stdout: the CLI's, which --json
-    # keeps for JSON alone. They go to stderr while connected; `disconnect` gives stdout back.
-    _stdout, sys.stdout = sys.stdout, sys.stderr
-    try:
-        if address is None:
-            adapter = adapter_for(target)
-            resources = {} if adapter.ray_assigns else {adapter.ray_resource: adapter.device_count()}
-            # "local": a new instance, never a cluster that happens to run on this host
-            ray.init(address="local", include_dashboard=False, resources=resources, **quiet)
-        else:
-            ray.init(address=address, **quiet)
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
-        sys.stdout, _stdout = _stdout, None
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--ray-address {address}: cannot join a Ray cluster there ({first[:300]}); start one "
-                         "with `ray start --head` (then --ray-address auto on that host) or fix the address") from None
-
-
-def disconnect() -> None:
-    """Leave the cluster (stopping the Ray instance `connect` started, if it did)."""
-    global _stdout
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
-    if _stdout is not None:
-        sys.stdout, _stdout = _stdout, None
-
-
-def _index(target: str) -> int | None:
-    _, _, idx = target.partition(":")
-    if not idx:
-        return None
-    if not idx.isdigit():
-        raise ValueError(f"--target {target!r}: expected a device type, or type:index (sim, sim:1, cuda:0)")
-    return int(idx)
-
-
-def devices(target: str, address: str | None) -> list[str]:
-    """The slots the cluster offers for `target` (every node's devices of its type; `sim:1`: device 1 of
-    each node), as fleet keys. ValueError when no node offers one."""
-    connect(address, target)
-    import ray
-
-    adapter = adapter_for(target)
-    kind, resource, want = device_type(target), adapter.ray_resource, _index(target)
-    nodes = sorted((n for n in ray.nodes() if n.get("Alive")),
-                   key=lambda n: (n.get("NodeManagerHostname", ""), n["NodeID"]))
-    names = [n.get("NodeManagerHostname") or n.get("NodeManagerAddress", "") for n in nodes]
-    found: dict[str, Slot] = {}
-    for node, name in zip(nodes, names, strict=True):
-        label = name if names.count(name) == 1 else f"{name}-{node['NodeID'][:6]}"
-        count = int(node["Resources"].get(resource, 0))
-        threads = max(1, int(node["Resources"].get("CPU", 1)) // max(1, count))
-        for i in range(count):
-            if want is not None and i != want:
-                continue
-            slot = Slot(key=f"{label}/{kind}:{i}", node_id=node["NodeID"], host=label, device=f"{kind}:{i}",
-                        resource=resource, assigned=adapter.ray_assigns, threads=threads)
-            found[slot.key] = slot
-    if not found:
-        where = "the local Ray instance" if address is None else f"the Ray cluster at {address}"
-        offered = sorted({r for n in nodes for r in n["Resources"]
-                          if not r.startswith(("node:", "memory", "object_store"))})
-        declare = ("(Ray counts them itself on hosts that have them)" if adapter.ray_assigns else
-                   f"(declare it on each host: ray start ... --resources '{{\"{resource}\": N}}')")
-        raise ValueError(f"--target {target}: no node of {where} offers the '{resource}' resource {declare}; "
-                         f"its nodes offer: {', '.join(offered) or 'nothing'}")
-    _slots.clear()
-    _slots.update(found)
-    return list(found)
 
 
 class RayWorker:
@@ -263,11 +131,11 @@ class RayPool:
         self.started = 0  # actors started, replacements included
 
     def slot(self, key: str) -> Slot:
-        return _slots[key]
+        return SLOTS[key]
 
     def node_devices(self, w: RayWorker) -> list[str]:
         """Every slot of `w`'s node."""
-        return [k for k, s in _slots.items() if s.node_id == w.slot.node_id]
+        return [k for k, s in SLOTS.items() if s.node_id == w.slot.node_id]
 
     def spawn(self, key: str) -> RayWorker:
         held = self.holders.pop(key, None)
@@ -275,7 +143,7 @@ class RayPool:
             self.workers.append(held)
             return held
         self.started += 1
-        w = RayWorker(self.actor_cls, _slots[key], self.args, first_check_s=self.budgets.shortest)
+        w = RayWorker(self.actor_cls, SLOTS[key], self.args, first_check_s=self.budgets.shortest)
         self.workers.append(w)
         return w
 
@@ -330,9 +198,9 @@ class RayPool:
         chips = info["accelerators"].get(w.slot.resource, [])
         if w.slot.assigned and chips:  # Ray picked the chip: the worker is that chip's
             actual = f"{w.host}/{device_type(w.slot.device)}:{chips[0]}"
-            if actual != w.key and actual in _slots:
+            if actual != w.key and actual in SLOTS:
                 wanted = w.key
-                w.key, w.slot, w.device = actual, _slots[actual], _slots[actual].device
+                w.key, w.slot, w.device = actual, SLOTS[actual], SLOTS[actual].device
                 if not self.usable(actual):  # a chip out of service (quarantined, a spare): pin it, ask again
                     w.ready = True
                     self.workers.remove(w)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.fleet.budgets import Budgets
@@ -49,7 +51,7 @@ class RunConfig:
         """Ranges the runner relies on (it would hang or mislabel every model otherwise)."""
         executor = executor_for(self.executor)  # ValueError naming the choices
         checks = [
-            (self.ray_address is None or executor.address_option, "--ray-address needs --executor ray"),
+            (self.ray_address is None or executor.address_option, f"--ray-address {self.ray_address}: needs --executor ray"),
             (self.jobs >= 1 or (self.jobs == 0 and executor.all_devices_by_default),
              f"--jobs {self.jobs}: need at least 1 worker"),
             (self.timeout_s > 0, f"--timeout {self.timeout_s}: must be > 0 seconds"),
@@ -70,3 +72,20 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+def compile_cache_root(config: RunConfig, db: str | os.PathLike) -> str:
+    """Where --compile keeps its caches: --compile-cache, else ``<db>-compile-cache/`` beside the DB."""
+    p = Path(db)
+    return config.compile_cache or str(p.with_name(p.stem + "-compile-cache"))
+
+
+def check_compile_cache(config: RunConfig, db: str | os.PathLike) -> None:
+    """OutputError (one line, before the banner) unless a compiled run can keep its caches where it would:
+    a file there or above it, or storage that refuses writes, made every model its own crash."""
+    if "compile" in config.settings:
+        from harness.files import check_writable, probe_writable
+
+        root = compile_cache_root(config, db)
+        check_writable(root, create_parents=True, directory=True)
+        probe_writable(root)

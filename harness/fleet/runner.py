@@ -24,8 +24,9 @@ from tqdm import tqdm
 from harness.backends import adapter_for, load_backends
 from harness.fleet import policy, quiet
 from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
+from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
-from harness.fleet.runconfig import RunConfig
+from harness.fleet.runconfig import RunConfig, compile_cache_root
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement, ResultRow, RunInfo
@@ -133,8 +134,7 @@ class _Run:
         self.run_id = run_id
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
         self.compile_cache = "" if "compile" not in settings else cache_dir(
-            config.compile_cache or str(store.path.with_name(store.path.stem + "-compile-cache")),
-            adapter.compile_cache_tag())
+            compile_cache_root(config, store.path), adapter.compile_cache_tag())
         self.entries = {e.id: e for e in entries}
         self.skipped = sum(1 for e in entries if e.id in done)
         sizes = {e.id: e.params or (1.0 if "slow" in e.tags else None) for e in entries}  # `slow`: a time hint
@@ -165,6 +165,10 @@ class _Run:
         self.t_start = time.monotonic()
         self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
                              mininterval=0.5 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
+        # a long phase says what it is doing: soon for one model (check), above the progress bar for a run
+        self.notices = PhaseNotices(lambda line: self.progress.write(line, file=sys.stderr),
+                                    after_s=30.0 if config.progress else 5.0,
+                                    every_s=60.0 if config.progress else 30.0, settings=settings)
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -409,6 +413,7 @@ class _Run:
             for ev in self.pool.poll():
                 if ev.worker in self.pool.workers or ev.kind not in ("died", "lost", "interrupted"):
                     self._on(ev)
+            self.notices.poll(self.pool.workers)
 
     def run(self) -> RunSummary:
         t0 = time.monotonic()

@@ -10,6 +10,7 @@ harness's (an import that still finds no room under it stops the run as a config
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from harness.backends import adapter_for, load_backends
+from harness.fleet.capture import JobOutput
 from harness.fleet.pool import serve
 from harness.fleet.quiet import QuietLock
 from harness.results.rows import Measurement
@@ -60,9 +62,9 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
     try:
         m = run_one(task, on_phase)
     except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
-        fields = classify_exception(e, stage=current[0])
-        m = Measurement(model_id=model_id, device=device,
-                        **{**fields, "outcome": fields["outcome"] if fields["outcome"] == "oom" else "crash"})
+        fields = classify_exception(e, adapter_for(device), stage=current[0])  # a device fault is still the device's
+        m = Measurement(model_id=model_id, device=device, **{
+            **fields, "outcome": fields["outcome"] if fields["outcome"] in ("oom", "device_error") else "crash"})
     finally:
         alone = quiet.end_job() if quiet is not None else True
     if not alone and m.perf:
@@ -97,8 +99,8 @@ def worker_main(
 ) -> None:
     """Child-process entry point (started by the pool from the forkserver)."""
     # Ctrl-C reaches the whole process group: the supervisor stops the workers and says so once, so a
-    # worker ignores it (no traceback per worker). Its stdout is the CLI's: what a model or a backend
-    # prints goes to stderr, so `--json` output stays JSON.
+    # worker ignores it (no traceback per worker). Its stdout is the CLI's: what a backend prints while the
+    # worker starts goes to stderr, so `--json` output stays JSON (what a model prints goes to its row).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.flush()
     os.dup2(2, 1)
@@ -106,7 +108,18 @@ def worker_main(
     os.environ.update(env)
     setup(device, threads, backends)
     cap_address_space(mem_cap_mb)
-    serve(conn, lambda payload, phase: run_task(payload, device, phase))
+    # What a model prints (Python warnings, native libraries) goes to its row, not into the supervisor's
+    # progress bar; a fatal signal's report goes to the same file, which the supervisor reads back.
+    output = JobOutput()
+    faulthandler.enable(file=2)  # fd 2 itself (sys.stderr need not be it): the job's file while a job runs
+
+    def job(payload: dict[str, Any], phase: Callable[[str], None]) -> Measurement:
+        with output:
+            m = run_task(payload, device, phase)
+        m.worker_output = output.text()
+        return m
+
+    serve(conn, job)
 
 
 def setup(device: str, threads: int, backends: list[str]) -> None:

@@ -20,26 +20,28 @@ import pandas as pd
 
 from harness import __version__, files
 from harness.analysis.diff import DiffResult, diff_runs, previous_comparable
-from harness.analysis.fingerprint import group_failures
+from harness.analysis.fingerprint import FailureGroup, group_failures
 from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
 from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.collectives import collective_faults_view, collectives_view
-from harness.report.nightly import groups_view, regression_groups_view, trend_view
+from harness.report.links import Command, row_links
+from harness.report.nightly import regression_groups_view, trend_view
 from harness.report.parallel import in_parallel, page_workers
 from harness.report.perf import perf_diff_view, perf_row_view, speed_view
+from harness.report.summary import summary_view
 from harness.report.views import (
     diff_view,
     drift_view,
     fmt,
     history_view,
     matrix_data,
+    op_anchor,
     records,
     row_view,
     run_view,
     safe_name,
-    summary_view,
 )
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
@@ -311,12 +313,11 @@ def _common(
     }
 
 
-def _render_index(
-    site: _Site, data: _RunData, configs: list[str], res: DiffResult | None, hrefs: dict[str, str]
-) -> None:
-    site.render("index.html", "index.html", **summary_view(data.df, data.runs, configs, res),
-                groups=groups_view(group_failures(data.df), hrefs), speed=speed_view(data.df, hrefs),
-                perf_regressions=len(res.perf.regressions) if res is not None else 0)
+def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResult | None, hrefs: dict[str, str],
+                  cov: pd.DataFrame, groups: list[FailureGroup]) -> None:
+    site.render("index.html", "index.html",
+                **summary_view(data.df, data.runs, configs, res, cov=cov, groups=groups, hrefs=hrefs),
+                speed=speed_view(data.df, hrefs), perf_regressions=len(res.perf.regressions) if res is not None else 0)
 
 
 def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
@@ -328,13 +329,12 @@ def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dic
 
 
 def _render_ops(
-    site: _Site, df: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str]
+    site: _Site, df: pd.DataFrame, cov: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str]
 ) -> None:
-    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()  # reads the OpInfo CSV
     site.render(
         "ops.html",
         "ops.html",
-        ops=records(cov),
+        ops=[{**o, "anchor": op_anchor(o["op"])} for o in records(cov)],
         support=records(op_support(df)) if not df.empty else [],
         has_opinfo=opinfo_csv is not None,
         opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
@@ -375,7 +375,8 @@ def _copy_repros(site: _Site, rows: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _render_models(
-    site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str], also: Callable[[], None] | None = None
+    site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str], also: Callable[[], None] | None = None,
+    links: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> None:
     """One page per model. A night has thousands, so this is the report's hot loop: the template is
     looked up once and the shared context built once (``_Site.render`` per page did both each time)."""
@@ -399,7 +400,8 @@ def _render_models(
             page = template.render(
                 shared,
                 model_id=model,
-                rows=[{**row_view(r), "perf": perf_row_view(r.get("perf"))} for r in sorted(rows, key=lambda r: r["config"])],
+                rows=[{**row_view(r), "perf": perf_row_view(r.get("perf")), **(links(r) if links else {})}
+                      for r in sorted(rows, key=lambda r: r["config"])],
                 history=history.get(model, []),
             )
             with open(new / hrefs[model].removeprefix("models/"), "w", encoding="utf-8") as f:
@@ -419,40 +421,46 @@ def build_report(
     opinfo_csv: str | os.PathLike | None = None,
     history: str | os.PathLike | None = None,
     night: bool = False,
+    command: Command | None = None,
 ) -> Path:
     """Render the static site for ``run_id`` (default latest) into ``out_dir``; returns index.html.
 
     The diff page compares with ``base_run`` (same DB), the latest run of ``base_db``, or by default
     the previous comparable run in the DB when there is one. With ``history`` (a nightly history
     file, `harness.analysis.trend`) the site gets a trend page. With ``night`` the site shows the latest
-    run of every configuration in the DB (a merged nightly DB holding several settings).
+    run of every configuration in the DB (a merged nightly DB holding several settings). With ``command``
+    (`harness.cli.options.check_command`) each model page shows the command that reproduces its row.
     """
     out = Path(out_dir)
     env = _env()
     data = _load(db_path, run_id, base_run, base_db, night)
-    if history is not None and not Path(history).is_file():
+    if history is not None and not Path(history).exists():  # anything else: read_history says what
         raise FileNotFoundError(f"history file {history} does not exist")
     entries = read_history(history) if history is not None else None  # read (and checked) before writing
     check_out(out)
     with files.replaced_dir(out, stale=SITE_NAMES) as stage:  # the old site stays whole if this fails
         _prepare_out(out, stage)
-        _build(env, stage, data, db_path, entries, opinfo_csv)
+        _build(env, stage, data, db_path, entries, opinfo_csv, command)
     return out / "index.html"
 
 
 def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | os.PathLike,
-           entries: list[dict[str, Any]] | None, opinfo_csv: str | os.PathLike | None) -> None:
+           entries: list[dict[str, Any]] | None, opinfo_csv: str | os.PathLike | None, command: Command | None) -> None:
     df, base = data.df, data.base
     site = _Site(env, stage, _common(data, db_path, has_diff=base is not None, has_trend=entries is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
     models = sorted(df["model_id"].unique()) if not df.empty else []
     hrefs = {m: f"models/{safe_name(m)}.html" for m in models}
 
+    cov = op_coverage(df, opinfo_csv) if not df.empty else pd.DataFrame()  # reads the OpInfo CSV
+    groups = group_failures(df)
+    # before the model pages: a page says when the speed gate flagged it
+    res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
+
     def site_pages() -> None:
-        res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
-        _render_index(site, data, configs, res, hrefs)
+        _render_index(site, data, configs, res, hrefs, cov, groups)
         _render_matrix(site, df, configs, hrefs)
-        _render_ops(site, df, opinfo_csv, hrefs)
+        _render_ops(site, df, cov, opinfo_csv, hrefs)
         site.render("drift.html", "drift.html", **drift_view(df, hrefs))
         _render_collectives(site, data)
         _render_collective_faults(site, data)
@@ -464,4 +472,4 @@ def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | 
             site.render("trend.html", "trend.html", **trend_view(entries))
 
     # The site's own pages are rendered while forked workers write model pages (when there are many).
-    _render_models(site, df, data.hist, hrefs, also=site_pages)
+    _render_models(site, df, data.hist, hrefs, also=site_pages, links=row_links(groups, cov, res, command))

@@ -8,7 +8,8 @@ from typing import Any
 import pandas as pd
 
 from harness.report.svg import as_number, svg_bars
-from harness.report.views import _size, _text, fmt, records
+from harness.report.views import _size, fmt, records
+from harness.report.views import as_text as _text
 
 
 def _collective_row(r: dict[str, Any]) -> dict[str, Any]:

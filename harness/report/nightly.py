@@ -28,16 +28,29 @@ def regression_groups_view(res: DiffResult, hrefs: dict[str, str], *, examples: 
         for g, items in res.regression_groups()
     ]
 
+def short_line(message: str, limit: int = 90) -> str:
+    """A failure group's normalised line as a table shows it: its first sentence, cut at a word (the whole
+    line is the cell's title). PyTorch's missing-kernel message is two sentences of which the first says
+    it all; cutting it at a fixed width left "selective/cu" in every row."""
+    head = message.split(". ", 1)[0].rstrip(".") if ". " in message else message
+    if len(head) <= limit:
+        return head
+    cut = head[:limit].rsplit(" ", 1)[0]
+    return (cut if len(cut) > limit // 2 else head[:limit]).rstrip(",;: ") + "…"
+
+
 def groups_view(groups: list[FailureGroup], hrefs: dict[str, str], *, limit: int = 25,
                 examples: int = 3) -> dict[str, Any]:
     """The summary page's failure groups: the ``limit`` biggest, each with a few example models."""
     return {
         "groups": [
             {
+                "id": g.id,
                 "count": g.count,
                 "outcome": g.outcome,
                 "what": g.what,
                 "message": g.message,
+                "short": short_line(g.message),
                 "example": g.example,
                 "reference_side": g.reference_side,
                 "configs": g.configs,

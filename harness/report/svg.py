@@ -200,12 +200,15 @@ def svg_bars(items: Sequence[dict[str, Any]], *, width: int = 720, ref: float = 
 
 
 def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 26) -> Markup:
-    """One stacked bar of outcome counts (SVG so no inline styles are needed)."""
+    """One stacked bar of outcome counts (SVG so no inline styles are needed), what works first; a segment
+    wide enough carries its outcome and count as a label (the page's legend names every segment)."""
     total = sum(counts.values())
     if not total:
         return Markup("")
     parts = [
-        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" height="{height}">'
+        f'<svg class="stack" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="outcomes: '
+        + ", ".join(f"{o} {counts[o]}" for o in OUTCOMES[::-1] if counts.get(o)) + '">'
     ]
     x = 0.0
     for outcome in OUTCOMES[::-1]:
@@ -215,8 +218,11 @@ def svg_outcome_bar(counts: dict[str, int], *, width: int = 720, height: int = 2
         w = c / total * width
         parts.append(
             f'<rect x="{x:.2f}" y="0" width="{w:.2f}" height="{height}" fill="{COLOURS[outcome]}">'
-            f"<title>{outcome}: {c}</title></rect>"
+            f"<title>{outcome}: {c} ({c / total:.1%})</title></rect>"
         )
+        label = f"{outcome} {c}"
+        if w >= _label_px(label) + 10:
+            parts.append(f'<text class="seg" x="{x + 5:.2f}" y="{height / 2 + 4:.1f}">{label}</text>')
         x += w
     parts.append("</svg>")
     return Markup("".join(parts))
@@ -292,12 +298,13 @@ def svg_lines(
     return Markup("".join(parts))
 
 
-def svg_steps(steps: Sequence[tuple[int, float | None, float | None]], *, first_drift: int | None = None,
+def svg_steps(steps: Sequence[tuple], *, first_drift: int | None = None,
               width: int = 720, height: int = 220) -> Markup:
     """Per decoding step, the logits' error over the fp32 bound and over the declared bound (log scale,
-    ratio 1 dashed); ``steps`` is (step, fp32 ratio, declared ratio or None). The first drifting step
-    is marked. Points above the bound are ``.point.bad``."""
-    values = [v for _, a, b in steps for v in (a, b) if v is not None and math.isfinite(v) and v > 0]
+    ratio 1 dashed); ``steps`` is (step, fp32 ratio, declared ratio or None[, judgement]). The first
+    drifting step is marked. Points of a step judged beyond (`harness.outcomes`) are ``.point.bad``: an
+    fp32 ratio above 1 inside the declared envelope is what pass_declared means, not a finding."""
+    values = [v for s in steps for v in s[1:3] if v is not None and math.isfinite(v) and v > 0]
     if not values:
         return Markup('<p class="empty">no per-step ratios recorded</p>')
     lo = min(math.floor(math.log10(min(values))), -1)
@@ -323,13 +330,13 @@ def svg_steps(steps: Sequence[tuple[int, float | None, float | None]], *, first_
     y1 = ypos(1.0)
     parts.append(f'<line class="bound" x1="{ml}" y1="{y1:.1f}" x2="{ml + pw}" y2="{y1:.1f}"/>')
     parts.append(f'<line class="axis" x1="{ml}" y1="{mt + ph}" x2="{ml + pw}" y2="{mt + ph}"/>')
-    for i, (k, _, _) in enumerate(steps):
+    for i, (k, *_) in enumerate(steps):
         x = xpos(i)
         cls = "tick drift-step" if k == first_drift else "tick"
         parts.append(f'<line class="{cls}" x1="{x:.1f}" y1="{mt + ph}" x2="{x:.1f}" y2="{mt + ph + 4}"/>'
                      f'<text class="label" x="{x:.1f}" y="{mt + ph + 18}" text-anchor="middle">{int(k)}</text>')
-    if first_drift is not None and any(k == first_drift for k, _, _ in steps):
-        x = xpos([k for k, _, _ in steps].index(first_drift))
+    if first_drift is not None and any(s[0] == first_drift for s in steps):
+        x = xpos([s[0] for s in steps].index(first_drift))
         parts.append(f'<line class="drift-step" x1="{x:.1f}" y1="{mt}" x2="{x:.1f}" y2="{mt + ph}"/>'
                      f'<text class="label" x="{x + 4:.1f}" y="{mt + 10}">first drifting step</text>')
     lx = ml
@@ -343,7 +350,8 @@ def svg_steps(steps: Sequence[tuple[int, float | None, float | None]], *, first_
         parts.append(f'<polyline class="line {cls}" points="'
                      + " ".join(f"{xpos(i):.1f},{ypos(v):.1f}" for i, v in points) + '"/>')
         for i, v in points:
-            bad = " bad" if v > 1 else ""
+            beyond = steps[i][3] == "beyond" if len(steps[i]) > 3 and steps[i][3] else True  # no judgement: v > 1
+            bad = " bad" if v > 1 and beyond else ""
             parts.append(f'<circle class="point {cls}{bad}" cx="{xpos(i):.1f}" cy="{ypos(v):.1f}" r="3.5">'
                          f"<title>step {int(steps[i][0])}: {name} {v:.3g}</title></circle>")
     parts.append(f'<text class="label" x="{ml + pw / 2:.1f}" y="{height - 4}" text-anchor="middle">'

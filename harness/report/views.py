@@ -15,13 +15,13 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.diff import DiffResult
-from harness.analysis.matrix import column_records, outcome_counts, pass_rates, settings_label, with_config
-from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
+from harness.analysis.matrix import column_records, settings_label, with_config
+from harness.outcomes import JUDGEMENT_OUTCOME, OUTCOMES, output_judgement
 from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
-from harness.report.svg import as_number, svg_histogram, svg_outcome_bar
-from harness.results.rows import PHASES, compile_summary
+from harness.report.svg import as_number, svg_histogram
+from harness.results.rows import PHASES, compile_summary, round_floats
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
@@ -43,6 +43,11 @@ def _json_num(v: Any) -> float | str | None:
     return "Infinity" if f > 0 else "-Infinity"
 
 
+def op_anchor(op: str) -> str:
+    """The id of an op's row on the ops page (`ops.html#op-aten-sort.stable`): a model page links to it."""
+    return "op-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", op).strip("-")
+
+
 def fmt(v: Any, digits: int = 3) -> str:
     """Compact number formatting for tables (empty for missing)."""
     f = as_number(v)
@@ -57,7 +62,8 @@ def fmt(v: Any, digits: int = 3) -> str:
     return f"{f:.{digits}g}"
 
 
-def _text(v: Any) -> str:
+def as_text(v: Any) -> str:
+    """A cell as text: "" for a missing value (None, NaN)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return ""
     return str(v)
@@ -81,46 +87,16 @@ def records(df: pd.DataFrame) -> list[dict[str, Any]]:
 # Every page's header, summary and drift pages
 # ----------------------------------------------------------------------------------------------
 
-_VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
+VERSION_KEYS = ("torch_version", "transformers_version", "harness_version")
 
 
 def run_view(run: dict[str, Any]) -> dict[str, Any]:
     """The selected run as every page's header shows it (settings apart: they are a dict)."""
     settings = run.get("settings") or {}
     return {
-        "run": {k: _text(v) for k, v in run.items() if k != "settings"},
+        "run": {k: as_text(v) for k, v in run.items() if k != "settings"},
         "run_settings": settings,
         "run_label": settings_label(run["target"], settings),
-    }
-
-
-def summary_view(
-    df: pd.DataFrame, runs: pd.DataFrame, configs: list[str], res: DiffResult | None
-) -> dict[str, Any]:
-    """The index page: outcome counts and pass rates of ``df``, all runs in the DB, the diff headline."""
-    counts = outcome_counts(df)
-    total = sum(counts.values())
-    # Load/reference failures say nothing about the target, so the target pass rate leaves them out.
-    not_ref = total - sum(counts[o] for o in NOT_THE_MODELS)
-    return {
-        "counts": counts,
-        "total": total,
-        "n_models": len(df["model_id"].unique()) if not df.empty else 0,
-        "pass_rate": (counts["pass"] / total) if total else None,
-        "headline": headline(counts),
-        "target_pass_rate": (counts["pass"] / not_ref) if not_ref else None,
-        "outcome_bar": svg_outcome_bar(counts),
-        "row_versions": {
-            k: sorted({_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in _VERSION_KEYS
-        },
-        "rates": {
-            by: records(pass_rates(df, by)) if not df.empty else [] for by in ("arch", "task", "modality")
-        },
-        "runs": [{k: _text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
-        "configs": configs,
-        "diff": None
-        if res is None
-        else {"base_run": res.base_run, "n": len(res.regressions), "fixes": len(res.fixes)},
     }
 
 
@@ -157,13 +133,13 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
                 "outcome": r["outcome"],
                 "rmse_ratio": fmt(r.get("rmse_ratio")),
                 "declared_ratio": fmt(r.get("declared_ratio")),
-                "contract": _text(r.get("contract")),
-                "op": _text(r.get("first_drift_op")),
-                "module": _text(r.get("first_drift_module")) or _text(r.get("first_drift_op_module")),
-                "module_type": _text(r.get("first_drift_module_type")),
+                "contract": as_text(r.get("contract")),
+                "op": as_text(r.get("first_drift_op")),
+                "module": as_text(r.get("first_drift_module")) or as_text(r.get("first_drift_op_module")),
+                "module_type": as_text(r.get("first_drift_module_type")),
             }
             for r in records(worst)
-            if as_number(r.get(key)) is not None or _text(r.get("first_drift_op"))
+            if as_number(r.get(key)) is not None or as_text(r.get("first_drift_op"))
         ],
     }
 
@@ -175,9 +151,11 @@ def drift_view(df: pd.DataFrame, hrefs: dict[str, str], *, n_worst: int = 25) ->
 _ATTEMPT_ORDER = ("device", "outcome", "error_type", "exit_code", "signal", "duration_s")
 _FIELDS = ("arch", "task", "modality", "device", "host", "error_type", "unsupported_op", "unsupported_dtype", "exit_code",
            "signal", "loss_kind", "first_drift_param", "compile_stage", "compile_node", "eager_outcome",
-           "amp_step_skipped")
-_NUMBERS = ("rmse_ratio", "declared_ratio", "max_abs_err", "max_rel_err", "min_cosine", "grad_worst_ratio",
-            "grad_norm_ratio", "loss_delta")
+           "amp_step_skipped", "confirm", "confirm_note")
+_NUMBERS = (("rmse_ratio", "fp32 ratio (worst output; <= 1 within fp32)"),
+            ("declared_ratio", "declared ratio (worst output; <= 1 within declared)"), ("max_abs_err", "max abs err"),
+            ("max_rel_err", "max rel err"), ("min_cosine", "min cosine"), ("grad_worst_ratio", "worst gradient ratio"),
+            ("grad_norm_ratio", "gradient norm ratio"), ("loss_delta", "loss delta"))
 _TIMINGS = (
     ("load (s)", "load_time_s"),
     ("reference (s)", "ref_time_s"),
@@ -189,31 +167,54 @@ _TIMINGS = (
 
 
 def _output_view(name: str, m: Any) -> dict[str, Any]:
-    """One output's comparison metrics; a bare value (older rows) is shown as ``value``."""
+    """One output's comparison metrics, judged as the row is (`harness.outcomes.output_judgement`: within fp32,
+    within declared, beyond); a bare value (older rows) is shown as ``value``."""
     m = m if isinstance(m, dict) else {"value": m}
     shape = m.get("shape")
+    judgement = output_judgement(m)
     return {
         "name": name,
+        "judgement": judgement,
+        "chip": JUDGEMENT_OUTCOME.get(judgement, ""),
         "rmse_target": fmt(m.get("rmse_target")),
         "rmse_ref": fmt(m.get("rmse_ref")),
         "bound": fmt(m.get("bound")),
         "ratio": fmt(m.get("rmse_ratio")),
-        "drifts": (as_number(m.get("rmse_ratio")) or 0) > 1,
+        "declared_bound": fmt(m.get("declared_bound")),
+        "declared_ratio": fmt(m.get("declared_ratio")),
+        "beyond": judgement == "beyond",
         "nonfinite": bool(m.get("nonfinite")),
-        "note": _text(m.get("note")),
+        "note": as_text(m.get("note")),
         "cosine": fmt(m.get("cosine"), 9),
         "max_abs": fmt(m.get("max_abs")),
         "max_rel": fmt(m.get("max_rel")),
         "ok": m.get("ok"),
-        "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else _text(shape),
-        "dtype": _text(m.get("dtype")),
+        "shape": "x".join(str(s) for s in shape) if isinstance(shape, list) else as_text(shape),
+        "dtype": as_text(m.get("dtype")),
     }
+
+
+def _cosine_note(key: str, metrics: Any) -> str:
+    """Beside the row's min cosine: the output it is from, and why a near-zero gradient's cosine means nothing."""
+    if key != "min_cosine" or not isinstance(metrics, dict):
+        return ""
+    cosines = {k: c for k, m in metrics.items() if isinstance(m, dict) and (c := as_number(m.get("cosine"))) is not None}
+    if not cosines:
+        return ""
+    name = min(cosines, key=lambda k: cosines[k])
+    if cosines[name] >= 0.99:  # nothing to explain
+        return ""
+    m = metrics[name]
+    if m.get("near_zero") and output_judgement(m) != "beyond":
+        return (f" ({name}: near zero, below its family's noise floor: its cosine compares rounding noise and "
+                f"means nothing; the rmse rule judges it {output_judgement(m)})")
+    return f" ({name})"
 
 
 def _attempts_view(attempts: Any) -> tuple[list[dict[str, str]], list[str]]:
     """Attempt rows as text and their columns: the usual ones first, anything else after, by name."""
     rows = [
-        {k: (fmt(v) if isinstance(v, float) else _text(v)) for k, v in a.items()}
+        {k: (fmt(v) if isinstance(v, float) else as_text(v)) for k, v in a.items()}
         for a in attempts or []
         if isinstance(a, dict)
     ]
@@ -236,10 +237,10 @@ def _phases_view(phases: Any) -> list[dict[str, str]]:
 def _judged_by(r: dict[str, Any]) -> list[tuple[str, str]]:
     """Which rules judged the row: the fp64 oracle's form and the op check's coverage."""
     out = []
-    if _text(r.get("oracle")) not in ("", "nan"):
-        out.append(("fp64 oracle", _text(r.get("oracle"))))
-    if _text(r.get("ref_cache")) not in ("", "nan"):
-        out.append(("reference", _text(r.get("ref_cache"))))
+    if as_text(r.get("oracle")) not in ("", "nan"):
+        out.append(("fp64 oracle", as_text(r.get("oracle"))))
+    if as_text(r.get("ref_cache")) not in ("", "nan"):
+        out.append(("reference", as_text(r.get("ref_cache"))))
     checked = as_number(r.get("ops_checked"))
     if checked is not None:
         sampled = as_number(r.get("ops_sampled_out"))
@@ -264,40 +265,41 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
     return {
         "config": r["config"],
         "outcome": r["outcome"],
-        "fields": [(k, _text(r.get(k))) for k in _FIELDS if _text(r.get(k)) not in ("", "nan")]
+        "fields": [(k, as_text(r.get(k))) for k in _FIELDS if as_text(r.get(k)) not in ("", "nan")]
         + ([("cpu fallback", _fallback_text(r.get("fallback_ops")) or "none")] if r.get("op_census") else [])
         + ([("missing gradients", ", ".join(map(str, r["missing_grads"])))] if r.get("missing_grads") else []),
         "worst_ratio": fmt(r.get("rmse_ratio")),
         "grad_ratio": fmt(r.get("grad_worst_ratio")),
-        "where": _text(r.get("first_drift_param")) or _text(r.get("first_drift_module"))
-        or (decoding["where"] if decoding else "") or _text(r.get("first_drift_op_module"))
-        or _text(r.get("compile_node")) or _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+        "where": as_text(r.get("first_drift_param")) or as_text(r.get("first_drift_module"))
+        or (decoding["where"] if decoding else "") or as_text(r.get("first_drift_op_module"))
+        or as_text(r.get("compile_node")) or as_text(r.get("unsupported_op")) or as_text(r.get("error_type")),
         "decoding": decoding,
-        "drift_module": _text(r.get("first_drift_module")),
-        "drift_op": _text(r.get("first_drift_op")),
-        "drift_op_module": _text(r.get("first_drift_op_module")),
+        "drift_module": as_text(r.get("first_drift_module")),
+        "drift_op": as_text(r.get("first_drift_op")),
+        "drift_op_module": as_text(r.get("first_drift_op_module")),
         "drift_op_inputs": ", ".join(r.get("first_drift_op_inputs") or []),
-        "repro_link": _text(r.get("repro_link")),
-        "contract": _text(r.get("contract")),
-        "drift_module_type": _text(r.get("first_drift_module_type")),
+        "repro_link": as_text(r.get("repro_link")),
+        "contract": as_text(r.get("contract")),
+        "drift_module_type": as_text(r.get("first_drift_module_type")),
         "numbers": [
-            (key, fmt(r.get(key), 9 if key == "min_cosine" else 3))
-            for key in _NUMBERS
+            (label, fmt(r.get(key), 9 if key == "min_cosine" else 3) + _cosine_note(key, metrics))
+            for key, label in _NUMBERS
             if as_number(r.get(key)) is not None
         ],
-        "error_message": _text(r.get("error_message")),
-        "traceback": _text(r.get("traceback")),
+        "error_message": round_floats(as_text(r.get("error_message"))),
+        "traceback": as_text(r.get("traceback")),
+        "worker_output": as_text(r.get("worker_output")),
         "outputs": outputs,
         "attempts": attempts,
         "attempt_cols": attempt_cols,
         "timings": [(label, fmt(r.get(key))) for label, key in _TIMINGS if as_number(r.get(key)) is not None],
         "compiled": compile_summary(r),
         "graph_breaks": _count(r.get("graph_breaks")),
-        "break_reasons": [_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
+        "break_reasons": [as_text(x) for x in (r.get("graph_break_reasons") or []) if isinstance(r.get("graph_break_reasons"), list)],
         "phases": _phases_view(r.get("phases")),
         "judged_by": _judged_by(r),
-        "versions": [(k, _text(r.get(k))) for k in _VERSION_KEYS],
-        "finished_at": _text(r.get("finished_at")),
+        "versions": [(k, as_text(r.get(k))) for k in VERSION_KEYS],
+        "finished_at": as_text(r.get("finished_at")),
     }
 
 
@@ -312,12 +314,12 @@ def history_view(hist: pd.DataFrame) -> dict[str, list[dict[str, Any]]]:
         out.setdefault(r["model_id"], []).append(
             {
                 "run_id": r["run_id"],
-                "started_at": _text(r.get("run_started_at")),
-                "list_name": _text(r.get("list_name")),
+                "started_at": as_text(r.get("run_started_at")),
+                "list_name": as_text(r.get("list_name")),
                 "config": r["config"],
                 "outcome": r["outcome"],
                 "rmse_ratio": fmt(r.get("rmse_ratio")),
-                "detail": _text(r.get("unsupported_op")) or _text(r.get("error_type")),
+                "detail": as_text(r.get("unsupported_op")) or as_text(r.get("error_type")),
             }
         )
     return out
@@ -351,16 +353,16 @@ def matrix_data(df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> 
         first = next(iter(by_cfg.values()))
         ratios = [x for x in (as_number(r.get("rmse_ratio")) for r in by_cfg.values()) if x is not None]
         walls = [x for x in (as_number(r.get("wall_time_s")) for r in by_cfg.values()) if x is not None]
-        ops = sorted({_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
-        errs = sorted({_text(r.get("error_type")) for r in by_cfg.values()} - {""})
+        ops = sorted({as_text(r.get("unsupported_op")) for r in by_cfg.values()} - {""})
+        errs = sorted({as_text(r.get("error_type")) for r in by_cfg.values()} - {""})
         rows.append(
             {
                 "model": model,
                 "href": hrefs[model],
-                "arch": _text(first.get("arch")),
-                "task": _text(first.get("task")),
-                "modality": _text(first.get("modality")),
-                "outcomes": [_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
+                "arch": as_text(first.get("arch")),
+                "task": as_text(first.get("task")),
+                "modality": as_text(first.get("modality")),
+                "outcomes": [as_text(by_cfg[c]["outcome"]) if c in by_cfg else "" for c in configs],
                 # ops that ran on the CPU instead of the target, per column: "" for a native result
                 "fallback": [_fallback_text(by_cfg[c].get("fallback_ops")) if c in by_cfg else "" for c in configs],
                 "rmse_ratio": _json_num(max(ratios)) if ratios else None,

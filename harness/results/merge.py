@@ -16,7 +16,8 @@ from typing import Any
 
 from harness.outcomes import DEVICE_SIDE
 from harness.results.dbfile import StoreError
-from harness.results.store import TABLES, ResultStore, check_writable, remove_db
+from harness.results.store import TABLES, ResultStore
+from harness.results.writable import check_writable, remove_db
 
 
 def _parse_shard(shard: str) -> tuple[int, int] | None:

@@ -13,6 +13,7 @@ import datetime as _dt
 import functools
 import importlib.metadata
 import math
+import re
 import secrets
 import types
 import typing
@@ -23,11 +24,30 @@ from typing import Any
 # The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
 # the cache has {"s": 0, "cached": true}). `confirm`: a pass within the declared precision, run again at the
-# device's highest; `eager`: a compiled row that did not pass, run again eagerly;
+# device's highest; `eager`: a compiled row that did not pass, run again eagerly; `recompile`: compiled again in a
+# fresh compile cache, where the run's own may have caused the failure;
 # `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
 PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "confirm",
-          "eager", "perf")
+          "eager", "recompile", "perf")
 COMPILE_PHASE = "compile"
+# What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
+PHASE_DOING = {
+    "": "running",  # no phase heard yet (a Ray actor's is read from its node only near a deadline)
+    "load": "loading the model (a big checkpoint takes a while)",
+    "ref_cache": "looking the reference side up in the reference cache",
+    "reference": "running the fp32 CPU reference",
+    "oracle": "computing the fp64 oracle (a float64 copy of the model: the slowest reference phase)",
+    "expected": "running the declared-precision expected reference",
+    "ref_store": "storing the reference side in the reference cache",
+    "target": "running on the target",
+    "compare": "comparing the outputs",
+    "localize": "localizing the drift module by module",
+    "confirm": "confirming a declared-precision pass at the device's highest precision",
+    "eager": "running the step eagerly to see whose failure it is",
+    "recompile": "compiling again in a fresh compile cache (the run's own may have caused the failure)",
+    "perf": "timing the step (--perf)",
+    COMPILE_PHASE: "compiling the target's step ({compile}; a cold Inductor cache takes minutes, later runs reuse it)",
+}
 
 
 @dataclass(kw_only=True)
@@ -78,6 +98,7 @@ class Measurement:
     # where every step's logits are inside it but a kernel is not, the step that kernel ran in
     ref_tokens: list = field(default_factory=list)  # the reference's greedy tokens, one list per batch row
     target_tokens: list = field(default_factory=list)  # the target's own (free-running) greedy tokens
+    token_text: dict = field(default_factory=dict)  # token id (str) -> its text, from the checkpoint's tokenizer
     tokens_matched: int | None = None  # steps at which every row's free-running token matched, before the first
     first_divergent_step: int | None = None  # ... that did not (None: all N matched)
     divergence_margin: float | None = None  # the reference's top-2 logit margin there
@@ -97,6 +118,7 @@ class Measurement:
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model
+    device_unreachable: bool = False  # ... its client could not reach it at all (connection refused)
     fallback_ops: dict = field(default_factory=dict)  # op -> calls that ran on the CPU instead of the target
     native_ops: list = field(default_factory=list)  # ops the target ran itself (when its backend reports them)
     op_census: bool = False  # whether the backend reported fallback/native ops at all
@@ -121,16 +143,20 @@ class Measurement:
     perf: dict = field(default_factory=dict)
     ref_cache: str = ""  # the reference side: "cached", "stored", "computed (why not stored)"; "" without a cache
     ref_key: str = ""  # its reference-cache key
+    worker_output: str = ""  # what the worker printed (stdout and stderr, native code's too) while it ran the
+    # model, the tail (harness.fleet.capture): warnings and a fatal signal's report, kept off the terminal
 
     # --compile (harness.run.compiled): what compiling made and cost, apart from the run's seconds
-    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization or backend codegen
+    compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization, Inductor graph passes or backend
+    # codegen; also an unsupported_op the backend refused while the compiler ran it
     compile_node: str = ""  # ... the op or graph node the compiler's error names
     graph_count: int | None = None  # graphs Dynamo compiled
     graph_breaks: int | None = None
     graph_break_reasons: list = field(default_factory=list)  # the first three, one line each
     recompiles: int | None = None
     compile_s: float | None = None  # the compiler's wall time (Dynamo, AOTAutograd, the backend)
-    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed
+    compile_cache: str = ""  # cold (every graph compiled), warm (the FX graph cache served all), mixed; rebuilt
+    # (the run's cache failed it: compiled again in a fresh one, the damaged entries dropped)
     eager_outcome: str = ""  # a compiled row that did not pass: the same step, eager, on the same device
     amp_step_skipped: str = ""  # --amp fp16 train: the loss scaler skipped the step on "both" sides, the "target
     # only" (drift), or the "reference only" (its gradients overflowed: the loss is what is judged)
@@ -156,6 +182,15 @@ def compile_summary(row: Mapping[str, Any]) -> str:
     if given(row.get("eager_outcome")):
         parts.append(f"eager on the same device: {row['eager_outcome']}")
     return ", ".join(parts)
+
+
+_LONG_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d{5,}(?:[eE][-+]?\d+)?(?![\w.])")
+
+
+def round_floats(text: str) -> str:
+    """A message's long floats as people read them, three significant digits ("rmse ratio 65.1", not
+    65.05722897265998; rows written before messages rounded their numbers)."""
+    return _LONG_FLOAT.sub(lambda m: f"{float(m.group()):.3g}", text)
 
 
 def step_output(k: int) -> str:

@@ -10,7 +10,7 @@ Columns come from the row dataclasses in `rows.py` (their real types, not guesse
 `schema.py`). A new DB is built in a temporary file and linked into place, so no 0-byte or half-made
 DB is ever left; a DB written before a column existed gets it added, in one transaction, when opened
 for writing; readers of older or read-only DBs see the missing columns as empty. Files that are not
-ours are refused by `dbfile.inspect`, and `check_writable` says, before a command writes anything,
+ours are refused by `dbfile.inspect`, and `writable.check_writable` says, before a command writes anything,
 whether rows can be added at a path.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness import files, outcomes
+from harness import outcomes
 from harness.results import schema
 from harness.results.codec import canonical_json, encode, frame
 from harness.results.dbfile import (
@@ -37,7 +37,6 @@ from harness.results.dbfile import (
     check_integrity,
     connect_read_only,
     inspect,
-    sqlite_errno,
     write_cause,
 )
 from harness.results.rows import (
@@ -50,61 +49,9 @@ from harness.results.rows import (
     versions,
 )
 from harness.results.schema import COLLECTIVE_FAULTS, COLLECTIVES, RESULTS, RUN_COLUMNS, TABLES, Table
+from harness.results.writable import create_db, may_write, remove_db
 
-__all__ = ["ResultStore", "StoreError", "StoreWriteError", "canonical_json", "TABLES", "check_writable"]
-
-
-def _may_write(path: Path) -> bool:
-    """Rows can be added: the file and its directory (for the -wal and -shm files) are writable."""
-    return os.access(path, os.W_OK) and os.access(path.parent.resolve(), os.W_OK | os.X_OK)
-
-
-def remove_db(path: Path) -> None:
-    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        with contextlib.suppress(OSError):
-            p.unlink()
-
-
-def _new_file(path: Path) -> bool:
-    """Create the DB with its schema in a temporary file next to `path`, then link it into place: a full
-    disk never leaves a 0-byte or half-made DB. False when another process created it first."""
-    try:
-        with files.atomic_path(path, exclusive=True) as tmp:
-            con = sqlite3.connect(str(tmp), isolation_level=None)
-            try:
-                schema.create(con, path)
-            finally:
-                con.close()
-    except FileExistsError:
-        return False
-    except sqlite3.DatabaseError as exc:
-        code = sqlite_errno(exc)
-        raise files.OutputError(path, code, "" if code else str(exc)) from None
-    return True
-
-
-def check_writable(path: str | os.PathLike, *, create_parents: bool = True) -> None:
-    """Before a command prints or writes anything: rows can be added at `path` (StoreError or
-    OutputError otherwise, the file untouched): a new file that can be created, or an existing regular
-    file that is ours, undamaged, with a schema we can bring up to date, on writable storage."""
-    p = Path(path)
-    state = inspect(p)
-    if state == "missing":
-        files.check_writable(p, create_parents=create_parents)
-        return
-    if state == "ours":
-        check_integrity(p)
-        con = connect_read_only(p)
-        try:
-            bad = schema.unrepairable(con)
-        finally:
-            con.close()
-        if bad:
-            raise StoreError(f"{p} lacks {', '.join(bad)}, which cannot be added (not a portharness schema "
-                             "we can update); it was left untouched. Pass another --db path.")
-    if not _may_write(p):
-        raise StoreError(f"{p} is read-only ({files.denied_cause(p)}); it was left untouched. Copy it somewhere "
-                         "writable or pass another --db path.")
+__all__ = ["ResultStore", "StoreError", "StoreWriteError", "canonical_json", "TABLES"]
 
 
 class ResultStore:
@@ -126,12 +73,12 @@ class ResultStore:
         self._lock = threading.RLock()
         self._tx = False  # inside `transaction()`: writes join it instead of committing one by one
         # A DB we may not write (read-only artifact, mount or file) is still readable for matrix/report/diff.
-        self.read_only = read_only or (state == "ours" and not _may_write(self.path))
+        self.read_only = read_only or (state == "ours" and not may_write(self.path))
         if state == "ours" and not read_only:
             check_integrity(self.path)  # never add rows to a DB with damaged pages
         made = False
         if state == "missing" and not self.read_only:
-            made = _new_file(self.path)
+            made = create_db(self.path)
             state = "ours"
         try:
             if self.read_only:

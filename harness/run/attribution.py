@@ -5,8 +5,17 @@ The order is the rule: a device fault anywhere in the exception's chain wins ove
 every device is part of loading a model; loaders wrap the backend's error), then an import that failed
 under the worker's memory cap, then exhausted memory in any phase, then the phase, then a missing op,
 then an error raised while compiling (`compile_fail`, with its stage and the op or node it names),
-then a crash. Errors that compiled code raises when it runs are classified like eager ones. A backend that reports a failed kernel at the next synchronize (as CUDA does) gets that
-report attributed to the model that ran before it (`target_failure`).
+then a crash. Errors that compiled code raises when it runs are classified like eager ones. A backend that
+reports a failed kernel at the next synchronize (as CUDA does) gets that report attributed to the model
+that ran before it (`target_failure`).
+
+While compiling, the compiler runs things on the device too (Inductor's graph passes build example
+tensors there; AOT tracing dispatches to a tensor-subclass backend). What the backend raises there is
+told apart: an op it refuses ("Could not run 'aten::X' ...", "prims::device_put ... is not an aten op")
+is the backend's `unsupported_op`, naming the op and, in ``compile_stage``, the compiler's stage that ran
+it; any other error its own code raised stays `compile_fail`, the stage being the compiler's frame that
+called into the device (``Inductor graph passes`` for `torch/_inductor/fx_passes/`), and the message
+says the backend's code raised it.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import sys
 import traceback
 from typing import Any
 
-from harness.backends import Adapter
+from harness.backends import Adapter, owner
 from harness.backends.errors import chain
 from harness.run.memory import capped, import_failure
 
@@ -52,7 +61,8 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
             base["error_type"] = type(fault).__name__
             base["error_message"] = (f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: "
                                      f"{str(exc)[:300]})")[:2000]
-        return {"outcome": "device_error", "device_fault": True, **base}
+        return {"outcome": "device_error", "device_fault": True, "device_unreachable": adapter.unreachable(exc, stage),
+                **base}
     if capped() and import_failure(exc):
         return {"outcome": "load_fail", **base, "error_type": CAP_TOO_SMALL}
     links = chain(exc)
@@ -63,20 +73,30 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
     if stage == "reference":
         return {"outcome": "ref_fail", **base}
     missing = adapter.parse_missing_op(exc) if adapter is not None else None
-    if missing is not None:
-        return {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
-    compiled = compile_failure(exc)
+    compiled = compile_failure(exc, adapter)
+    if missing is not None:  # the backend's gap, also where the compiler ran the op on it while compiling
+        fields = {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
+        if compiled is not None:
+            compiled.pop("_backend_raised")
+            fields.update(compiled, error_message=(f"the {adapter.kind} backend refused {missing.op} while the "
+                                                   f"compiler ran it ({compiled['compile_stage']}): "
+                                                   f"{base['error_message']}")[:2000])
+        return fields
     if compiled is not None:
         where = compiled["compile_stage"] + (f", at {compiled['compile_node']}" if compiled["compile_node"] else "")
+        if compiled.pop("_backend_raised", False) and adapter is not None:
+            where += f"; raised in the {adapter.kind} backend's own code, which the compiler ran on the device"
         return {"outcome": "compile_fail", **base, **compiled,
                 "error_message": f"compile failed in {where}: {base['error_message']}"[:2000]}
     return {"outcome": "crash", **base}
 
 
-# Stages of torch.compile, told apart by the innermost frame of the backend's error that belongs to one.
-DYNAMO, AOT, BACKEND = "Dynamo trace", "AOT/functionalization", "backend codegen"
+# Stages of torch.compile, told apart by the innermost frame of the backend's error that belongs to one
+# (frames of the target backend's own code skipped: the compiler ran something on the device, which raised).
+DYNAMO, AOT, PASSES, BACKEND = "Dynamo trace", "AOT/functionalization", "Inductor graph passes", "backend codegen"
+_PASSES_FILES = re.compile(r"torch/_inductor/(fx_passes/|pattern_matcher|constant_folding|freezing)")  # run nodes
 _BACKEND_FILES = re.compile(r"torch/_inductor/(graph|scheduler|lowering|ir|codecache|cpp_builder|select_algorithm|"
-                            r"async_compile|output_code|codegen/|kernel/|fx_passes/|runtime/)")
+                            r"async_compile|output_code|codegen/|kernel/|runtime/)")
 _AOT_FILES = re.compile(r"torch/(_functorch/|fx/experimental/proxy_tensor|_subclasses/functional_tensor)")
 _NODE = (
     re.compile(r"While executing %(\S+) : .*?target=([^\]\s]+)"),  # an FX interpreter naming its node
@@ -86,30 +106,41 @@ _NODE = (
 )
 
 
-def _frames(exc: BaseException) -> list[str]:
-    """File names on `exc`'s traceback, innermost first."""
+def _frames(exc: BaseException, adapter: Adapter | None = None) -> list[tuple[str, bool]]:
+    """(file name, the target backend's own code?) of each frame on `exc`'s traceback, innermost first."""
+    code = owner.backend_code(adapter.kind) if adapter is not None else None
     out = []
     tb = exc.__traceback__
     while tb is not None:
-        out.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        frame = tb.tb_frame
+        own = code is not None and code.owns(frame.f_globals.get("__name__"), frame.f_code.co_filename)
+        out.append((frame.f_code.co_filename.replace("\\", "/"), own))
         tb = tb.tb_next
     return out[::-1]
 
 
-def _stage(inner: BaseException) -> str:
-    for name in _frames(inner):
+def _stage(inner: BaseException, adapter: Adapter | None = None) -> tuple[str, bool]:
+    """The compiler's stage that raised `inner`, and whether the target backend's own code raised it there."""
+    frames = _frames(inner, adapter)
+    raised = bool(frames) and frames[0][1]
+    for name, own in frames:
+        if own:
+            continue  # the device's code, run by the compiler: the stage is the compiler's frame that called it
+        if _PASSES_FILES.search(name):
+            return PASSES, raised
         if _BACKEND_FILES.search(name):
-            return BACKEND
+            return BACKEND, raised
         if _AOT_FILES.search(name):
-            return AOT
+            return AOT, raised
         if "/torch/" not in name and not name.startswith("<"):
-            return BACKEND  # a backend outside torch (a vendor's compiler)
-    return BACKEND
+            return BACKEND, raised  # a backend outside torch (a vendor's compiler)
+    return BACKEND, False  # no compiler frame above the backend's code: its own compiler (a vendor's) raised
 
 
-def compile_failure(exc: BaseException) -> dict[str, str] | None:
+def compile_failure(exc: BaseException, adapter: Adapter | None = None) -> dict[str, Any] | None:
     """``compile_stage`` and ``compile_node`` for an error raised while Dynamo traced or a backend
-    compiled (None: not the compiler's). The node is the op or graph node the error names, if any."""
+    compiled (None: not the compiler's). The node is the op or graph node the error names, if any;
+    ``_backend_raised``: the target backend's own code raised it (the compiler ran something on the device)."""
     if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
         return None
     from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
@@ -119,7 +150,9 @@ def compile_failure(exc: BaseException) -> dict[str, str] | None:
         return None
     failed = next((e for e in links if isinstance(e, BackendCompilerFailed)), None)
     inner = getattr(failed, "inner_exception", None)
-    stage = DYNAMO if failed is None else _stage(inner) if isinstance(inner, BaseException) else BACKEND
+    stage, raised = DYNAMO, False
+    if failed is not None:
+        stage, raised = _stage(inner, adapter) if isinstance(inner, BaseException) else (BACKEND, False)
     node = ""
     for e in chain(inner) if isinstance(inner, BaseException) else links:
         for pattern in _NODE:
@@ -129,7 +162,7 @@ def compile_failure(exc: BaseException) -> dict[str, str] | None:
                 break
         if node:
             break
-    return {"compile_stage": stage, "compile_node": node}
+    return {"compile_stage": stage, "compile_node": node, "_backend_raised": raised}
 
 
 def drain(adapter: Adapter, device: str) -> BaseException | None:

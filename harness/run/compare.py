@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from harness.outcomes import BEYOND, judge, outcome_of
+
 DEFAULT_TOL = 1e-3  # the dynamo runner's HF inference tolerance
 COSINE_FALLBACK = 0.99
 AMP_ULPS = 1  # see Tolerance.amp_eps: rounding an output to the low dtype alone costs half an ulp
@@ -57,6 +59,12 @@ class Tolerance:
         rms = torch.sqrt(torch.mean(torch.square(oracle.double()))).item()
         return self.tol / 10.0 * max(rms, self.min_rms.get(name.split("/", 1)[0], 0.0))
 
+    def near_zero(self, oracle: torch.Tensor, name: str = "") -> bool:
+        """Whether the output is below its family's noise floor (`min_rms`): a gradient that cancels to
+        about zero, whose direction (cosine) is that of rounding noise and says nothing."""
+        family = self.min_rms.get(name.split("/", 1)[0], 0.0)
+        return self.relative and family > 0 and torch.sqrt(torch.mean(torch.square(oracle.double()))).item() < family
+
 
 @dataclass
 class TensorCheck:
@@ -78,7 +86,13 @@ class TensorCheck:
     max_abs: float | None = None
     max_rel: float | None = None
     nonfinite: bool = False  # target has NaN/inf where the reference is finite
+    near_zero: bool = False  # below its family's noise floor (a gradient that cancels): its cosine means nothing
     note: str = ""
+
+    @property
+    def judgement(self) -> str:
+        """within fp32, within declared or beyond (`harness.outcomes.judge`): every label's one source."""
+        return judge(self.ok, self.ok_declared)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "name"}
@@ -174,6 +188,9 @@ def _check_fp32(name: str, ref: torch.Tensor, target: torch.Tensor, oracle: torc
         out.bound = _multiplier(ref) * out.rmse_ref + tol.floor(o, name)
         out.rmse_ratio = _ratio(out.rmse_target, out.bound)
         out.ok = out.rmse_target <= out.bound
+        out.near_zero = tol.near_zero(o, name)
+        if out.near_zero:
+            out.note = "near zero (below its family's noise floor): its cosine compares rounding noise"
     else:
         atol = tol.atol if tol.atol is not None else tol.tol
         rtol = tol.rtol if tol.rtol is not None else tol.tol
@@ -195,12 +212,15 @@ class Verdict:
 
     @property
     def outcome(self) -> str:
-        """pass (fp32 envelope), pass_declared (within the declared precision) or drift."""
-        return "pass" if self.ok else "pass_declared" if self.ok_declared else "drift"
+        """pass (fp32 envelope), pass_declared (within the declared precision) or drift: from the same
+        per-output judgements every label shows (`harness.outcomes.outcome_of`)."""
+        return outcome_of(c.judgement for c in self.checks)
 
     @property
     def worst(self) -> TensorCheck | None:
-        failing = [c for c in self.checks if not c.ok] or self.checks
+        """The output that best explains the verdict: the worst beyond both envelopes, else beyond fp32."""
+        failing = ([c for c in self.checks if c.judgement == BEYOND] or [c for c in self.checks if not c.ok]
+                   or self.checks)
         return max(failing, key=lambda c: (c.rmse_ratio or 0.0, c.max_abs or 0.0), default=None)
 
     @property

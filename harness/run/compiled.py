@@ -22,21 +22,28 @@ graph, the inputs' metadata, the compiler's configuration and torch's version) a
 one directory. A run uses ``<db>-compile-cache/<tag>`` (or ``--compile-cache DIR``/<tag>), where the tag
 names the harness version and the backend's own code generator (`Adapter.compile_cache_tag`): Inductor's
 key does not cover code generators registered from outside torch, so a changed one gets a fresh
-directory instead of stale kernels.
+directory instead of stale kernels. The cache is the harness's state: a compiled row that fails where the
+cache may be the cause (`cache_suspect`: its error names a file there, or the cache served compiled code
+that fails where eager passes) is compiled again in a fresh temporary cache before anyone is blamed, and
+what a damaged entry was is dropped (`retry_in_fresh_cache`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness.backends.contracts import AMP_DTYPES
+from harness.outcomes import PASSING
 
 KEYS = ("compile", "dynamic", "amp")  # settings keys a configuration adds to a run's identity
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -96,6 +103,108 @@ def cache_dir(base: str, tag: str) -> str:
     from harness import __version__
 
     return os.path.join(base, "-".join(x for x in (f"portharness-{__version__}", tag) if x))
+
+
+# -- the compile cache, and a failure it may have caused --------------------------------------------------
+
+RETRIED = ("compile_fail", "crash", "drift")  # what a damaged cached kernel or module makes of a good model
+
+
+def cache_suspect(directory: str, fields: dict[str, Any], eager_outcome: str) -> bool:
+    """Whether the run's compile cache at `directory` may have caused the failed compiled row `fields`: its
+    error names a file there (a truncated kernel, a module that does not load), or the cache served the
+    compiled code (warm, mixed) and the same step passes eagerly on the same device."""
+    if not directory or fields.get("outcome") not in RETRIED or fields.get("device_fault"):
+        return False
+    named = any(d in _error_text(fields) for d in _spellings(directory))
+    return named or (fields.get("compile_cache") in ("warm", "mixed") and eager_outcome in PASSING)
+
+
+def _error_text(fields: dict[str, Any]) -> str:
+    return f"{fields.get('error_message') or ''}\n{fields.get('traceback') or ''}"
+
+
+def _spellings(directory: str) -> set[str]:
+    return {directory, os.path.abspath(directory), os.path.realpath(directory)}
+
+
+def _named_files(directory: str, fields: dict[str, Any]) -> list[Path]:
+    """The files inside `directory` that the failure's message or traceback names (a module that does not
+    load, a kernel that does not build): generated modules are named by a digest of code that holds the
+    cache's own path, so a compile into another directory names them differently."""
+    text = _error_text(fields)
+    found = set()
+    for d in _spellings(directory):
+        for m in re.finditer(re.escape(d.rstrip(os.sep) + os.sep) + r"[^\s'\",:;()\[\]]+", text):
+            found.add(Path(m.group(0)))
+    return sorted(found)
+
+
+def retry_in_fresh_cache(directory: str, failed: dict[str, Any], eager_outcome: str,
+                         attempt: Callable[[str], dict[str, Any]]) -> dict[str, Any] | None:
+    """`attempt(cache)` (the compiled step, its row fields) again in a fresh temporary cache when the run's
+    own cache at `directory` may have caused `failed` (`cache_suspect`); None when it may not have.
+
+    The compile cache is the harness's state, not the backend's: an outcome that changes in a fresh cache
+    was the cache's doing, so the row is the fresh run's (``compile_cache`` "rebuilt") and what the fresh
+    compile made is dropped from `directory` (the next run compiles it anew instead of loading the damaged
+    copy). The same outcome again is the compiler's or the device's, and the row says it was checked."""
+    if not cache_suspect(directory, failed, eager_outcome):
+        return None
+    _forget_probes()
+    with tempfile.TemporaryDirectory(prefix="portharness-compile-") as fresh:
+        again = attempt(fresh)
+        if again.get("outcome") == failed.get("outcome"):
+            note = "the same in a fresh compile cache: not the cache's"
+            again["error_message"] = (f"{again['error_message']}; {note}" if again.get("error_message") else note)[:2000]
+            return again
+        drop_entries(directory, fresh, also=_named_files(directory, failed))
+    again["compile_cache"] = "rebuilt"
+    return again
+
+
+def drop_entries(directory: str, fresh: str, also: Iterable[Path] = ()) -> int:
+    """Remove from the cache `directory` what a compile into the empty cache `fresh` made (kernels, modules
+    and probe libraries by name; FX graph and AOTAutograd entries by key, every entry of the key) and the
+    files `also` names: a damaged copy is among them. Returns the paths removed; one that cannot be is left
+    (it is retried)."""
+    from harness import files
+
+    shared, new = Path(directory), Path(fresh)
+    targets: set[Path] = {p for p in also if p.is_file()}
+    for f in new.rglob("*"):
+        rel = f.relative_to(new)
+        if f.is_file() and rel.parts[0] != "locks":
+            keyed = rel.parts[0] in ("fxgraph", "aotautograd") and len(rel.parts) >= 3
+            targets.add(shared / (rel.parent if keyed else rel))
+    gone = 0
+    for path in sorted(targets):
+        with contextlib.suppress(OSError, files.OutputError):
+            if path.is_dir():
+                gone += files.remove_dir(path)
+            elif path.exists():
+                path.unlink()
+                gone += 1
+    return gone
+
+
+def _forget_probes() -> None:
+    """Inductor probes the machine's vector ISA once per process, by building and loading a small library in
+    the cache; one a damaged library failed would leave every later compile without (or at odds with) it."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return
+    cached = [getattr(cpu_vec_isa, "valid_vec_isa_list", None)]
+    todo = [getattr(cpu_vec_isa, "VecISA", object)]
+    while todo:  # each ISA class memoizes its own check (`__bool__`, its base's `__bool__impl`)
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        cached += vars(cls).values()
+    for fn in cached:
+        clear = getattr(fn, "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 @contextlib.contextmanager

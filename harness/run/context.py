@@ -83,6 +83,7 @@ class ModelRun:
     tol: Tolerance
     side: ReferenceSide | None = None  # the reference side, once computed or found in the cache
     keep_cpu: bool = False  # the CPU model stays on the CPU (the target gets a copy)
+    small: bool = True  # a copy of the model fits beside it (harness.run.oracle.COPY_MAX_PARAMS)
     localizes: bool = False  # a drift is localized to a module (small models, eager, a mode that names modules)
 
     @property
@@ -104,11 +105,16 @@ class ModelRun:
         return self.model if self.keep_cpu else None
 
     def fresh_model(self) -> tuple[torch.nn.Module, bool]:
-        """A model for another run on the device, unlike the one a run left there (compiled, moved, perhaps
-        half-way through a failure): (model, whether the target must copy it). The kept CPU model is copied;
-        one that went to the device in place is built again, prepared as its plan prepares it."""
+        """A model for another run on the device, unlike the one a run left there (compiled, perhaps half-way
+        through a failure; Dynamo may still hold its parameters, and a backend that moves them by swap_tensors
+        refuses to move them again): (model, whether the target must copy it). The kept CPU model is copied;
+        a small one that went to the device in place is built again, prepared as its plan prepares it; a real
+        checkpoint is not loaded twice: the one on the device runs again, uncompiled."""
         if self.keep_cpu:
             return self.model, True
+        if not self.small:
+            self.model._compiled_call_impl = None  # what Module.compile set: it runs eagerly again
+            return self.model, False
         assert self.side is not None
         loaded, inputs = load(self.entry, self.task)
         self.mode.rebuild(loaded.model, loaded, self.entry, inputs, self.task.seed, self.side.plan.fields)

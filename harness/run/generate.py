@@ -208,3 +208,28 @@ def agreement(ref_tokens: torch.Tensor, target_tokens: torch.Tensor, ref: dict[s
     tie = margin <= envelope and (step_ok or {}).get(step_output(first), True)
     out.update(divergence_margin=margin, divergence_envelope=envelope, divergence="near-tie" if tie else "bug")
     return out
+
+
+def tokenizer_for(entry: Any) -> Any:
+    """The checkpoint's tokenizer (None: a tiny build, which has none, or one that cannot be loaded); the
+    model page shows decoded tokens with it. Never fails the row: the ids stay."""
+    if getattr(entry, "source", "") == "tiny":
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(entry.path or entry.id, revision=entry.revision or None,
+                                             trust_remote_code=bool(entry.trust_remote_code))
+    except Exception:  # no tokenizer files, an offline hub: the strip shows ids
+        return None
+
+
+def token_text(tokenizer: Any, *token_lists: list[list[int]]) -> dict[str, str]:
+    """Each token id in the decoded rows -> its text as the tokenizer decodes it alone ({} without one)."""
+    if tokenizer is None:
+        return {}
+    ids = sorted({int(t) for rows in token_lists for row in rows for t in row})
+    try:
+        return {str(i): tokenizer.decode([i]) for i in ids}
+    except Exception:
+        return {}

@@ -226,6 +226,7 @@ class GenerateMode(Mode):
 
     def __init__(self, new_tokens: int = NEW_TOKENS, cache: str = KV_CACHES[0]) -> None:
         self.new_tokens, self.cache = new_tokens, cache
+        self.tokenizer: Any = None  # the checkpoint's, where it has one: the row keeps its tokens' text
 
     def configured(self, settings: dict[str, Any]) -> Mode:
         return GenerateMode(int(settings.get("new_tokens", NEW_TOKENS)), settings.get("cache", KV_CACHES[0]))
@@ -235,6 +236,7 @@ class GenerateMode(Mode):
         why = generate.not_generative(model)
         if why:
             raise Skip(why)
+        self.tokenizer = generate.tokenizer_for(entry)
         model.eval()
         prompt = generate.prompt(model, inputs)
         ref = generate.decode(model, prompt, self.new_tokens, self.cache)
@@ -247,6 +249,7 @@ class GenerateMode(Mode):
 
     def rebuild(self, model, loaded, entry, inputs, seed, fields):
         """The teacher-forced step along the reference's tokens the cache kept, without decoding again."""
+        self.tokenizer = generate.tokenizer_for(entry)
         model.eval()
         prompt = generate.prompt(model, inputs)
         step = generate.TeacherForced(self.new_tokens, self.cache, torch.tensor(fields["ref_tokens"]))
@@ -259,8 +262,10 @@ class GenerateMode(Mode):
     def measure(self, side, target, verdict, tol):
         if target.extra is None:
             return {}
-        return generate.agreement(torch.tensor(side.plan.fields["ref_tokens"]), target.extra, side.ref, side.oracle,
-                                  side.expected, tol.floor(torch.zeros(1)), {c.name: c.ok_declared for c in verdict.checks})
+        out = generate.agreement(torch.tensor(side.plan.fields["ref_tokens"]), target.extra, side.ref, side.oracle,
+                                 side.expected, tol.floor(torch.zeros(1)), {c.name: c.ok_declared for c in verdict.checks})
+        text = generate.token_text(self.tokenizer, side.plan.fields["ref_tokens"], out["target_tokens"])
+        return {**out, "token_text": text} if text else out
 
     def explain(self, out, kernel, verdict, envelope):
         k = out.get("first_drift_step")

@@ -395,9 +395,13 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
 def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[], float]], profile: Step | None,
            activity: Any, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
            perf: dict[str, Any], fields: dict[str, Any], adaptive: bool, compiled: bool) -> None:
+    peak_kept = peak_mb is not None
+    if peak_kept and reset_peak is not None:
+        try:  # peak memory is optional: a backend without statistics still has its timing
+            peak_kept = reset_peak() is not False
+        except Exception as e:
+            peak_kept, perf["peak_mem_error"] = False, _error(e)
     try:
-        if reset_peak is not None:
-            reset_peak()
         clocks = {clock[0]: clock[1], "wall": time.perf_counter}
         watch = HostWatch()
         samples = time_rounds(steps, budget_s, clocks=clocks, adaptive=adaptive, tolerance=lambda: _tolerance(watch))
@@ -410,11 +414,14 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
         if decided:
             perf["host"]["spread"] = round((decided["q3"] - decided["q1"]) / decided["median"], 3)
         fields.update(_headline(perf, len(next(iter(samples[clock[0]].values()), []))))
-        if peak_mb is not None:
-            peak = peak_mb()
-            fields["perf_peak_mem_mb"] = None if peak is None else round(peak, 2)
     except Exception as e:  # speed is diagnostics: the verdict stands
         perf["error"] = _error(e)
+    if peak_kept:
+        try:
+            peak = peak_mb()
+            fields["perf_peak_mem_mb"] = None if peak is None else round(peak, 2)
+        except Exception as e:
+            perf["peak_mem_error"] = _error(e)
     if profile is not None and "error" not in perf:
         try:
             target_s = fields.get("perf_target_s")

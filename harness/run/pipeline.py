@@ -115,21 +115,30 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
     # reference side needs no CPU copy for localization: the rare drift rebuilds it (`ModelRun.cpu_models`).
     params = n_params(run.model)
+    run.small = params <= COPY_MAX_PARAMS
     run.localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
     run.keep_cpu = mode.keeps_cpu_model or (
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
 
     judged = first_variant(run)
-    fields, last = _attempt(run, judged, after)
-    out.update(fields)
+    row, last = _attempt(run, judged, after)  # the verdict's fields; follow-ups may amend or replace them
+
+    def rerun(variant: Variant) -> dict[str, Any]:
+        return _own(_attempt(run, variant)[0])
+
     for follow in FOLLOW_UPS:
-        variant = follow.after(run, judged, out)
+        variant = follow.after(run, judged, row)
         if variant is None:
             continue
         fields, target = _attempt(run, variant)
-        if follow.merge(run, out, {k: v for k, v in fields.items() if not k.startswith("_")}):
+        if follow.merge(run, row, variant, _own(fields), rerun):
             judged, last = variant, target or last
-    del last
+    out.update(row)
+
+
+def _own(fields: dict[str, Any]) -> dict[str, Any]:
+    """A follow-up run's row fields, without the first run's bookkeeping (its timings stay the row's)."""
+    return {k: v for k, v in fields.items() if not k.startswith("_")}
 
 
 def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str, Any]]] | None = None
@@ -141,7 +150,8 @@ def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str,
     clock = run.clock
     target = None
     own = contextlib.nullcontext() if variant.first else clock.phase(variant.phase)
-    with own, compile_cache(run.task.compile_cache) if variant.cfg.compiled else contextlib.nullcontext():
+    cache = variant.cache if variant.cache is not None else run.task.compile_cache
+    with own, compile_cache(cache) if variant.cfg.compiled else contextlib.nullcontext():
         try:
             watch = CompileWatch(clock.announce, lambda: clock.current) if variant.cfg.compiled else None
             with clock.phase(variant.phase) if variant.first else contextlib.nullcontext():
@@ -203,8 +213,9 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
                                                 model_id=run.entry.id, directory=Path(run.task.repro_dir)))
     if verdict.outcome == "drift" and worst is not None:
         messages.append(
-            f"output {worst.name!r} out of tolerance: rmse ratio {worst.rmse_ratio}, declared ratio "
-            f"{worst.declared_ratio}, max abs {worst.max_abs}" + (" (non-finite values on target)" if verdict.nonfinite else "")
+            f"output {worst.name!r} out of tolerance: rmse ratio {_g(worst.rmse_ratio)}, declared ratio "
+            f"{_g(worst.declared_ratio)}, max abs {_g(worst.max_abs)}"
+            + (" (non-finite values on target)" if verdict.nonfinite else "")
         )
     elif verdict.outcome != "drift":
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
@@ -231,6 +242,11 @@ def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: dict[st
             out["first_drift_module_type"] = site.module_type
 
 
+def _g(v: float | None) -> str:
+    """A number as a message shows it: three significant digits (65.1, not 65.05722897265998)."""
+    return "-" if v is None else f"{v:.3g}"
+
+
 def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], dict[str, Any]]:
     """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
     of the CPU model of a checkpoint that moved to the device in place). A compiled variant also times the
@@ -248,7 +264,7 @@ def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:
     how = run.settings.get("op_check", "auto")
     if how == "off" or not variant.op_check:
         return None
-    sampled = how == "sampled" or (how == "auto" and n_params(run.model) > COPY_MAX_PARAMS)
+    sampled = how == "sampled" or (how == "auto" and not run.small)
     return OpCheck(torch.device(run.device).type, variant.declared, per_signature=OP_SAMPLE if sampled else None)
 
 

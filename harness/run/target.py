@@ -85,7 +85,7 @@ def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last:
                     tmodel = last.model
                 else:
                     model, copy_model = run.fresh_model() if variant.source == "fresh" else (run.model, run.keep_cpu)
-                    tmodel = copy.deepcopy(model).to(device) if copy_model else model.to(device)
+                    tmodel = copy.deepcopy(model).to(device) if copy_model else _on(model, device)
                 if cfg.compiled:
                     recorder = compile_model(tmodel, cfg)
                 elif check is not None:
@@ -119,6 +119,15 @@ def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last:
         raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census),
                     **(watch.fields() if watch is not None else {})}) from None
     return TargetSide(tmodel, inputs, out, seconds, census, check, extra, compiled)
+
+
+def _on(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """`model` on `device`, moved only if it is not there yet (a backend whose parameters move by
+    swap_tensors refuses to swap those a compiled graph still holds)."""
+    where = torch.device(device)
+    if all(t.device == where for t in (*model.parameters(), *model.buffers())):
+        return model
+    return model.to(device)
 
 
 def _checked_run(check: OpCheck, plan: Plan, tmodel: torch.nn.Module, inputs: dict[str, Any], adapter: Adapter,

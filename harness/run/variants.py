@@ -19,12 +19,13 @@ merge rules are plain functions of the row's fields (tested without a device).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from harness.backends.contracts import Contract, contract
 from harness.outcomes import PASSING
-from harness.run.compiled import Configuration
+from harness.run.compiled import Configuration, retry_in_fresh_cache
 from harness.run.context import ModelRun
 
 Source = Literal["first", "fresh", "reuse"]  # the loaded model; a fresh one; the device model the last run left
@@ -46,6 +47,8 @@ class Variant:
     localize: bool = True  # a drift is localized to a module (where the run localizes at all)
     op_check: bool = True  # the op check (or, compiled, the graph check) runs where the settings ask
     timed: bool = False  # --perf times this run's step after the verdict
+    cache: str | None = None  # compiled: its compile-cache directory (None: the run's)
+    of: Variant | None = None  # the variant this one re-checks
 
     @property
     def first(self) -> bool:
@@ -60,13 +63,18 @@ def first_variant(run: ModelRun) -> Variant:
     return Variant(name, "target", run.settings, cfg, run.declared, localize=not cfg.compiled, timed=run.task.perf)
 
 
-class FollowUp(Protocol):
-    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
-        """The variant to run now, given the row so far (`out`, judged by `judged`); None when none is due
-        (it may note why in `out`)."""
+Rerun = Callable[[Variant], dict[str, Any]]  # the pipeline's one path: a variant run and judged, its row fields
 
-    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
-        """Fold the variant's row fields into the row; True when the row's verdict is now the variant's."""
+
+class FollowUp(Protocol):
+    def after(self, run: ModelRun, judged: Variant, row: dict[str, Any]) -> Variant | None:
+        """The variant to run now, given the verdict's fields so far (`row`, judged by `judged`); None when
+        none is due (it may note why in `row`)."""
+
+    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
+              rerun: Rerun) -> bool:
+        """Fold `variant`'s row fields into the row (`rerun` runs another variant, if it needs one); True when
+        the row's verdict is now the variant's."""
 
 
 def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
@@ -83,16 +91,29 @@ def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) 
 class EagerRecheck:
     """A compiled row that does not pass: the same step eagerly, on a fresh model (the compiled one may be
     half-way through a failure, and a backend whose parameters move by swap_tensors refuses to move a
-    compiled module's again)."""
+    compiled module's again). Where the run's compile cache may be the cause (`compiled.cache_suspect`: it
+    is the harness's state, not the backend's), the compiled step runs again in a fresh cache first."""
 
-    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
-        if not judged.cfg.compiled or out.get("outcome") in PASSING or out.get("device_fault"):
+    def after(self, run: ModelRun, judged: Variant, row: dict[str, Any]) -> Variant | None:
+        if not judged.cfg.compiled or row.get("outcome") in PASSING or row.get("device_fault"):
             return None
         return replace(judged, name="eager re-check", phase="eager", cfg=judged.cfg.eager(), source="fresh",
-                       extra=False, repro=False, localize=False, timed=False)
+                       extra=False, repro=False, localize=False, timed=False, of=judged)
 
-    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
-        out.update(eager_message(out, fields, run.device))
+    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
+              rerun: Rerun) -> bool:
+        if fields.get("device_fault"):  # the device failed under the re-check: the row is the device's
+            row.update(fields)
+            return True
+        assert variant.of is not None
+        again = retry_in_fresh_cache(run.task.compile_cache, row, fields.get("outcome", ""), lambda fresh: rerun(
+            replace(variant.of, name="compiled in a fresh cache", phase="recompile", source="fresh", timed=False,
+                    cache=fresh)))
+        if again is not None:
+            row.clear()
+            row.update(again)
+        if row.get("outcome") not in PASSING and not row.get("device_fault"):
+            row.update(eager_message(row, fields, run.device))
         return False
 
 
@@ -125,8 +146,9 @@ class Confirmation:
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
                        extra=False, timed=False)
 
-    def merge(self, run: ModelRun, out: dict[str, Any], fields: dict[str, Any]) -> bool:
-        return confirm_fields(out, fields, run.declared.name)
+    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
+              rerun: Rerun) -> bool:
+        return confirm_fields(row, fields, run.declared.name)
 
 
 def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) -> bool:
@@ -134,7 +156,6 @@ def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) 
     the confirmation's (a hidden drift, or the device failing under it)."""
     outcome = confirm.get("outcome", "")
     if confirm.get("device_fault"):  # the device failed: that is the row's news, whatever it passed before
-        out.clear()
         out.update(confirm)
         return True
     if outcome in PASSING:

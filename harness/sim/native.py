@@ -31,6 +31,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -147,6 +148,11 @@ def _compile(name: str, out: Path) -> None:
             obj.unlink(missing_ok=True)
 
 
+def _notice(text: str) -> None:
+    """One line on stderr (stdout may be a command's JSON): a silent minutes-long first import looks hung."""
+    print(f"portharness: {text}", file=sys.stderr, flush=True)
+
+
 def library_path() -> Path:
     """Where the compiled library for this source/torch/Python lives (built or not)."""
     key = _build_key()
@@ -162,7 +168,11 @@ def load() -> ModuleType:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name("build.lock")):
             if not path.exists():  # another process may have built it while we waited
+                _notice(f"building sim's C++ library (first run only: about 30 s on two idle cores, minutes on a "
+                        f"busy host; cached in {path.parent})")
+                t0 = time.monotonic()
                 _compile(name, path)
+                _notice(f"built sim's C++ library in {time.monotonic() - t0:.0f} s")
     spec = importlib.util.spec_from_file_location(
         name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path))
     )

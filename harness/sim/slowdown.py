@@ -23,9 +23,12 @@ from .native import ext
 SLOW_OPS_ENV = "PORTHARNESS_SIM_SLOW_OPS"
 
 
+MAX_FACTOR = 1000.0  # beyond it the busy-wait overflows (inf, 1e308) or outlasts any budget (1e9)
+
+
 def parse_slow_ops(spec: str) -> dict[str, float]:
     """``aten::_softmax:3,aten::gelu:1.5`` -> {"aten::_softmax": 3.0, "aten::gelu": 1.5}; ValueError
-    naming the bad entry."""
+    naming the bad entry (a malformed one, a factor outside 1..MAX_FACTOR, an op torch does not have)."""
     out: dict[str, float] = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, sep, factor = item.rpartition(":")
@@ -33,11 +36,25 @@ def parse_slow_ops(spec: str) -> dict[str, float]:
             value = float(factor)
         except ValueError:
             value = float("nan")
-        if not sep or "::" not in name or not value >= 1.0:
-            raise ValueError(f"{SLOW_OPS_ENV}: bad entry {item!r}; expected 'aten::op:FACTOR' with FACTOR >= 1, "
-                             "e.g. 'aten::_softmax:3'")
+        if not sep or "::" not in name or not 1.0 <= value <= MAX_FACTOR:
+            raise ValueError(f"{SLOW_OPS_ENV}: bad entry {item!r}; expected 'aten::op:FACTOR' with FACTOR from 1 to "
+                             f"{MAX_FACTOR:g}, e.g. 'aten::_softmax:3'")
+        if not _known_op(name):
+            raise ValueError(f"{SLOW_OPS_ENV}: no such op {name!r} (names as sim's op census spells them: "
+                             "'aten::_softmax', 'aten::add.Tensor'); nothing would be slowed")
         out[name] = value
     return out
+
+
+def _known_op(name: str) -> bool:
+    """Whether torch has the op `name` (``ns::op`` or ``ns::op.overload``)."""
+    import torch
+
+    ns, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    schemas = torch._C._jit_get_schemas_for_operator(f"{ns}::{op}")
+    return bool(schemas) and (not overload or any(s.overload_name == overload for s in schemas)
+                              or overload == "default" and any(not s.overload_name for s in schemas))
 
 
 _active: dict[str, float] = {}

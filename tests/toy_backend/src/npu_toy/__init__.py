@@ -24,13 +24,25 @@ As rude as real hardware, each behaviour behind an environment variable (read wh
 - ``TOY_BROKEN_OPS=op:form,...``: kernels that fail, each with one real backend's wording (`FORMS`):
   ``cannot`` ("toy cannot run aten.X.default yet"), ``remote`` (a remote executor relaying "Could not
   run 'aten::X' with arguments from the 'CPU' backend"), ``bare`` ("op add is not implemented"),
-  ``dtype`` ("kernel mul does not support dtype 'Int'"), or ``shape`` (computes, but returns the
+  ``dtype`` ("kernel mul does not support dtype 'Int'"), ``kernel`` ("aten::histc: \"histc_cpu\" not
+  implemented for 'Int'": the op, then its kernel's words), or ``shape`` (computes, but returns the
   second and later outputs of a multi-output op one dimension short: a wrong-shape kernel);
 - ``TOY_FAULT=segv`` / ``hang``: every compute kernel kills the process with SIGSEGV / sleeps
   ``TOY_HANG_S`` seconds (an hour by default): a dying or hanging device;
 - ``TOY_MEM_MB=N``: the device allocator holds N MiB and says "can't allocate memory" beyond;
 - ``TOY_DEAD_FILE=path``: while that file exists (or after `kill()`), every kernel and the device
-  module raise ``RuntimeError("toy device lost ...")``.
+  module raise ``RuntimeError("toy device lost ...")``;
+- ``TOY_RECONNECT_S=N``: the client tries to reach a server it lost for N seconds before it gives up
+  with ``ConnectionError("... could not reach the server again ...")`` raised from the last refusal (a
+  server back within the window serves on);
+- ``TOY_SYNTHETIC_MODULE=1``: the device module is registered as a Python backend may do it through
+  `torch.utils.backend_registration`: a module object made at run time (``types.ModuleType``, no
+  ``__file__``, nothing to import), holding this package's functions;
+- ``TOY_SUBCLASS_PARAMS=1``: a tensor moved to the device is a traceable wrapper subclass
+  (`npu_toy.subclass`), so `Module._apply` moves parameters with ``swap_tensors``.
+
+Seeding (``torch.manual_seed`` reaches the device module's ``manual_seed_all``) and moves (``.to``)
+talk to the device like kernels do: with the server gone they raise while a model is being built.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import types
 import weakref
 from typing import Any
 
@@ -54,7 +67,7 @@ _registered = False
 _late: list[BaseException] = []  # the first failed kernel's error, raised at the next synchronizing call
 _local: Executor | None = None
 _client: Any = None
-FORMS = ("cannot", "remote", "bare", "dtype", "shape")
+FORMS = ("cannot", "remote", "bare", "dtype", "kernel", "shape")
 _SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
                  torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.int8: "Char", torch.uint8: "Byte"}
 
@@ -90,7 +103,8 @@ def _device() -> Any:
     if _client is None or _client.address[1] != int(address.rpartition(":")[2]):
         from npu_toy.remote import Client
 
-        _client = Client(address, float(os.environ.get("TOY_TIMEOUT", "10")))
+        _client = Client(address, float(os.environ.get("TOY_TIMEOUT", "10")),
+                         float(os.environ.get("TOY_RECONNECT_S", "0")))
     return _client
 
 
@@ -112,6 +126,7 @@ def _is_toy(x: object) -> bool:
 
 
 def _ref(t: torch.Tensor) -> Ref:
+    t = getattr(t, "_t", t)  # a TOY_SUBCLASS_PARAMS wrapper reached a kernel as it is (Python dispatch off)
     return Ref(t.untyped_storage()._toy, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
@@ -157,9 +172,12 @@ def _broken_error(op, form: str, args) -> Exception:
                             "selective/custom build process (if using custom build).")
     if form == "bare":
         return NotImplementedError(f"toy runtime: op {name} is not implemented")
+    first = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
+    dtype = _SCALAR_NAMES.get(first, str(first))
     if form == "dtype":
-        dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), torch.float32)
-        return RuntimeError(f"toy: kernel {name} does not support dtype '{_SCALAR_NAMES.get(dtype, str(dtype))}'")
+        return RuntimeError(f"toy: kernel {name} does not support dtype '{dtype}'")
+    if form == "kernel":  # the ATen op, then its CPU kernel's own words (a remote executor's AT_DISPATCH)
+        return RuntimeError(f"aten::{name}: \"{name}_cpu\" not implemented for '{dtype}'")
     return NotImplementedError(f"toy cannot run aten.{name}.{op._overloadname} yet: planned for a later release")
 
 
@@ -307,15 +325,32 @@ class _DeviceModule:
         _device().ping()
 
 
+def _device_module() -> object:
+    """`torch.toy`: an instance of `_DeviceModule`, or (``TOY_SYNTHETIC_MODULE=1``) a module object made
+    here, as `torch.utils.backend_registration` lets a Python backend register one: no ``__file__``."""
+    if os.environ.get("TOY_SYNTHETIC_MODULE") != "1":
+        return _DeviceModule()
+    module = types.ModuleType(f"torch.{BACKEND}")
+    for name in list(vars(_DeviceModule)):
+        if not name.startswith("__"):
+            setattr(module, name, getattr(_DeviceModule, name))
+    return module
+
+
 def _register() -> None:
     global _registered
     if _registered:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    _setup_privateuseone_for_python_backend(BACKEND, backend_module=_DeviceModule())
+    _setup_privateuseone_for_python_backend(BACKEND, backend_module=_device_module())
     _lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
-    _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    if os.environ.get("TOY_SUBCLASS_PARAMS") == "1":  # what `_to_copy` allocates: a move's result
+        from npu_toy.subclass import wrap
+
+        _lib.impl("empty_strided", lambda *a, **k: wrap(_empty_strided(*a, **k)), "PrivateUse1")
+    else:
+        _lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     _lib.impl("sort.stable", _sort, "PrivateUse1")
     _lib.impl("index_add", _index_add, "PrivateUse1")

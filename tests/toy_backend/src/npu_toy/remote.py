@@ -9,7 +9,9 @@ behind.
 
 Client: `Client` (``TOY_SERVER=127.0.0.1:PORT``, ``TOY_TIMEOUT`` seconds per call, 10 by default)
 raises what a real client raises when the device side is gone: ConnectionRefusedError (no server),
-BrokenPipeError / ConnectionResetError (it died), TimeoutError (it stopped answering). It reconnects on
+BrokenPipeError / ConnectionResetError (it died), TimeoutError (it stopped answering); with a reconnect
+window (``TOY_RECONNECT_S``) it keeps trying to connect that long and then raises
+``ConnectionError("... could not reach the server again ...")`` from the refusal. It reconnects on
 the next call, so a server that comes back serves again; buffers made by the one that died are gone
 (their next use says ``toy device lost``). The wire format is length-prefixed pickle: a test double on
 the loopback interface only.
@@ -61,10 +63,11 @@ def _recv(sock: socket.socket) -> Any:
 class Client:
     """Executor calls over one connection per process."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, reconnect_s: float = 0.0) -> None:
         host, _, port = address.rpartition(":")
         self.address = (host or "127.0.0.1", int(port))
         self.timeout_s = timeout_s
+        self.reconnect_s = reconnect_s
         self.sock: socket.socket | None = None
         self.pid = 0
         self.frees: list[int] = []  # handles whose tensors died: sent with the next call
@@ -80,7 +83,7 @@ class Client:
     def call(self, method: str, *args: Any) -> Any:
         if self.sock is None or self.pid != os.getpid():  # a forked child needs its own connection
             self.sock = None
-            self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            self.sock = self._connect()
             self.pid = os.getpid()
         frees, self.frees = self.frees, []
         try:
@@ -96,6 +99,21 @@ class Client:
                 raise RuntimeError(f"{kind}: {message}")
             raise exc_type(message)
         return value
+
+    def _connect(self) -> socket.socket:
+        """A connection; within the reconnect window a refused one is tried again (a server restarting),
+        after it the client gives up in its own words, the refusal as the cause."""
+        deadline = time.monotonic() + self.reconnect_s
+        while True:
+            try:
+                return socket.create_connection(self.address, timeout=self.timeout_s)
+            except OSError as e:
+                if self.reconnect_s <= 0:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(f"toy client: could not reach the server again at {self.address[0]}:"
+                                          f"{self.address[1]} within {self.reconnect_s:g} s") from e
+                time.sleep(0.2)
 
     def __getattr__(self, method: str) -> Any:
         if method.startswith("_"):
