@@ -24,6 +24,7 @@ the summary, so the same test runs on each.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ def _z(confidence: float) -> float:
     return float(norm.ppf(0.5 + confidence / 2))
 
 
+@functools.lru_cache(maxsize=1024)  # the timing loop asks after every round
 def median_ranks(n: int, confidence: float = CONFIDENCE) -> tuple[int, int]:
     """0-based ranks (lo, hi) of the sorted samples that bound the median with at least ``confidence``
     (P(Binomial(n, 1/2) < lo + 1) <= alpha / 2 on each side); (0, n - 1) when n is too small for that
@@ -134,34 +136,46 @@ def geomean(values: Iterable[Any]) -> float | None:
 @dataclass(frozen=True)
 class OpShift:
     op: str
-    base_us: float  # per step, scaled to the head run's machine speed
+    base_us: float  # self time per step, on the clock the step was timed on
     head_us: float
-    share: float  # of the time the head run added (head total - scaled base total)
-    at_least: bool = False  # the base profile did not keep the op: base_us is the most it can have had
+    share: float  # of the step's added time (or, for a speed-up, of the time it saved)
+    at_least: bool = False  # the other profile did not keep the op: the change is at least this
 
     @property
     def factor(self) -> float:
         return self.head_us / self.base_us if self.base_us > 0 else math.inf
 
 
-def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, scale: float = 1.0) -> list[OpShift]:
-    """Per op, its self time per step in both profiles (``{"ops": [[op, us], ...], "total_us": us}``), the ops
-    that added the most time first. ``scale`` multiplies the base's times: the head run's machine speed
-    relative to the base run's (the CPU reference's median latency, head over base), so that a machine
-    that was merely busier does not make every op look slower. [] when a profile is missing or nothing
-    was added. Only what both sides measured is compared: an op the base's profile did not keep counts at
-    the most it can have had there (`unseen_us`), never as new."""
+def op_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, added_us: float | None = None,
+              scale: float = 1.0, faster: bool = False) -> list[OpShift]:
+    """Per op, its self time per step in both profiles (``{"ops": [[op, us], ...], "total_us": us}``, per-step
+    times on the step's clock), the ops that added the most time first (``faster``: that saved the most).
+
+    Each op's share is of ``added_us``, the step's own added time on the same clock: one kernel change then
+    has one share whichever model it is in, and time added between ops (Python) is nobody's op. Without it,
+    of the profiles' totals' difference. ``scale`` multiplies the base's times into the head run's terms:
+    the host's part of the step's change (a busier host's caches make every op slower alike), so that
+    what is left is the code's. Only what both sides measured is compared: an op one profile did not keep
+    counts there at the most it can have had (`unseen_us`), never as new (or gone). [] when a profile is
+    missing or nothing was added (saved)."""
     if not base or not head or not base.get("ops") or not head.get("ops"):
         return []
-    b_ops = {k: float(v) * scale for k, v in _pairs(base["ops"])}
-    h_ops = {k: float(v) for k, v in _pairs(head["ops"])}
-    added = float(head.get("total_us") or sum(h_ops.values())) - float(base.get("total_us") or sum(b_ops.values())) * scale
-    if added <= 0:
+    b_ops = {k: v * scale for k, v in _pairs(base["ops"])}
+    h_ops = dict(_pairs(head["ops"]))
+    sign = -1.0 if faster else 1.0
+    if added_us is None or not sign * added_us > 0:
+        added_us = _total(head, h_ops) - _total(base, dict(_pairs(base["ops"]))) * scale
+    if not sign * added_us > 0:
         return []
-    unseen = unseen_us(base) * scale
-    out = [OpShift(op, b_ops.get(op, unseen), h, (h - b_ops.get(op, unseen)) / added, op not in b_ops)
-           for op, h in h_ops.items()]  # an op the head did not keep cannot be shown to have grown
-    return sorted((s for s in out if s.head_us > s.base_us), key=lambda s: (-s.share, s.op))
+    if not faster:  # an op the head did not keep cannot be shown to have grown
+        unseen = unseen_us(base) * scale
+        out = [OpShift(op, b_ops.get(op, unseen), h, (h - b_ops.get(op, unseen)) / added_us, op not in b_ops)
+               for op, h in h_ops.items()]
+    else:  # ... nor one the base did not keep to have shrunk
+        unseen = unseen_us(head)
+        out = [OpShift(op, b, h_ops.get(op, unseen), (h_ops.get(op, unseen) - b) / added_us, op not in h_ops)
+               for op, b in b_ops.items()]
+    return sorted((s for s in out if sign * (s.head_us - s.base_us) > 0), key=lambda s: (-s.share, s.op))
 
 
 KEEP_SHARE, KEEP_OPS = 0.001, 40  # what a row's op profile keeps (`top_ops`)
@@ -178,24 +192,40 @@ def unseen_us(profile: Mapping[str, Any]) -> float:
 
 
 def _pairs(ops: Any) -> list[tuple[str, float]]:
-    return list(ops.items()) if isinstance(ops, Mapping) else [(str(k), float(v)) for k, v in ops]
+    return [(str(k), float(v)) for k, v in (ops.items() if isinstance(ops, Mapping) else ops)]
 
 
-def explain(shift: Shift, ops: list[OpShift], *, scale: float = 1.0, base: Mapping[str, Any] | None = None,
-            head: Mapping[str, Any] | None = None) -> str:
-    """``1.62x slower [1.55-1.70]; aten::_softmax self time 4.1x (62% of the added time)``; when every op
-    grew about alike, says so and names the largest contributor instead."""
+def _total(prof: Mapping[str, Any], ops: Mapping[str, float]) -> float:
+    return float(prof.get("total_us") or sum(ops.values()))
+
+
+MIN_SHARE = 0.25  # an op named as the cause holds at least this share of the added time
+
+
+def explain(shift: Shift, ops: list[OpShift], *, base: Mapping[str, Any] | None = None,
+            head: Mapping[str, Any] | None = None, scale: float = 1.0) -> str:
+    """``1.62x slower [1.55-1.70]; aten::_softmax self time 4.1x (62% of the added time)``, or for a
+    speed-up ``1.40x faster [...]; aten::_softmax self time 4.1x less (80% of the time saved)``; when every
+    op moved about alike, says so and names the largest contributor instead."""
     text = shift.describe()
+    if base and head and base.get("clock") and head.get("clock") and base["clock"] != head["clock"]:
+        return f"{text}; the op profiles are on different clocks ({base['clock']}, {head['clock']}): not compared"
     if not ops:
         return text + ("; the op profiles do not show the added time" if base and head else "; no op profile to compare")
     top = ops[0]
-    what = ("new in this run" if math.isinf(top.factor) else
-            f"at least {top.factor:.1f}x" if top.at_least else f"{top.factor:.1f}x")
+    slower = top.head_us > top.base_us
+    factor = top.factor if slower else (top.base_us / top.head_us if top.head_us > 0 else math.inf)
+    what = ("new in this run" if slower else "gone in this run") if math.isinf(factor) else (
+        ("at least " if top.at_least else "") + (f"{factor:.1f}x" if slower else f"{factor:.1f}x less"))
+    time_of = "the added time" if slower else "the time saved"
     overall = _overall(base, head, scale)
-    if overall is not None and not math.isinf(top.factor) and top.factor <= overall * 1.1:
-        return f"{text}; slower across ops (largest added: {top.op} {what}, {top.share:.0%} of the added time)"
-    # other ops' noise can shrink the added time below this op's own growth: never more than all of it
-    return f"{text}; {top.op} self time {what} ({min(top.share, 1.0):.0%} of the added time)"
+    if overall is not None and not math.isinf(factor) and factor <= (overall if slower else 1 / overall) * 1.1:
+        verb = "slower" if slower else "faster"
+        return f"{text}; {verb} across ops (largest: {top.op} {what}, {min(top.share, 1.0):.0%} of {time_of})"
+    if top.share < MIN_SHARE:
+        return f"{text}; no op holds much of {time_of} (largest: {top.op} {what}, {top.share:.0%} of it)"
+    # other ops' noise can shrink the step's added time below this op's own growth: never more than all of it
+    return f"{text}; {top.op} self time {what} ({min(top.share, 1.0):.0%} of {time_of})"
 
 
 def _overall(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, scale: float) -> float | None:

@@ -99,27 +99,81 @@ def test_the_op_that_added_the_time_is_named_with_its_share() -> None:
 
 
 def test_a_busier_machine_is_not_an_op_getting_slower() -> None:
-    # every op 1.5x, and the CPU reference 1.5x slower too: scaled, nothing was added
+    # every op 1.5x (a busier host's caches): said so, not blamed on the largest
     head = {"total_us": 1500.0, "ops": [[op, us * 1.5] for op, us in BASE_PROFILE["ops"]]}
-    assert speed.op_shifts(BASE_PROFILE, head, scale=1.5) == []
-    # unscaled, every op grew alike: said so, not blamed on the largest
     ops = speed.op_shifts(BASE_PROFILE, head)
     text = speed.explain(speed.Shift(1.5, 1.4, 1.6, True, False), ops, base=BASE_PROFILE, head=head)
-    assert "slower across ops (largest added: aten::addmm 1.5x, 50% of the added time)" in text
+    assert "slower across ops (largest: aten::addmm 1.5x, 50% of the added time)" in text
     assert speed.explain(speed.Shift(1.5, 1.4, 1.6, True, False), []).endswith("no op profile to compare")
 
 
-def test_an_op_that_grew_is_named_when_the_reference_drifted_more_than_the_profile() -> None:
-    # vit under a planted aten::addmm:2 (perf_rates, 2026-12-04): the step 1.21x slower, its CPU reference
-    # 1.3x slower in that round, the profiled steps less so: scaled by the reference, nothing was added
-    base = {"ratio": {"median": 1.40, "lo": 1.38, "hi": 1.42}, "reference": {"median": 1.17e-3},
-            "profile": {"ops": [["aten::addmm", 370.0], ["aten::mul", 1000.0]], "total_us": 1370.0}}
-    head = {"ratio": {"median": 1.70, "lo": 1.68, "hi": 1.72}, "reference": {"median": 1.52e-3},
-            "profile": {"ops": [["aten::addmm", 730.0], ["aten::mul", 1000.0]], "total_us": 1730.0}}
-    assert speed.op_shifts(base["profile"], head["profile"], scale=1.52 / 1.17) == []
+def test_one_kernel_change_has_one_share_whichever_model_it_is_in() -> None:
+    """The share is of the step's own added time (head median - base median, the profile's clock), each op's
+    time per step: a kernel that got 300 µs slower per step holds all of the added time in a small model
+    and in a large one alike, whatever else its profile holds (the other ops' noise stays out)."""
+    shares = []
+    for other_us, noise in ((500.0, 20.0), (5000.0, -150.0), (40000.0, 200.0)):
+        base = {"total_us": other_us + 100.0, "ops": [["aten::addmm", other_us], ["aten::native_layer_norm", 100.0]]}
+        head = {"total_us": other_us + noise + 400.0,
+                "ops": [["aten::addmm", other_us + noise], ["aten::native_layer_norm", 400.0]]}
+        ops = speed.op_shifts(base, head, added_us=300.0 + 30.0)  # the step: the kernel, and 30 µs of Python
+        assert ops[0].op == "aten::native_layer_norm"
+        shares.append(ops[0].share)
+    assert shares == [pytest.approx(300 / 330)] * 3
+    shift = speed.Shift(1.3, 1.2, 1.4, True, False)
+    assert speed.explain(shift, ops).endswith("aten::native_layer_norm self time 4.0x (91% of the added time)")
+
+
+def test_a_busier_host_on_one_side_does_not_change_the_share() -> None:
+    """compare_perf: the same kernel change (+300 µs per step at the base host's speed, the step 1.0 -> 1.3 ms)
+    in two pairs; in the second the head's host made everything 1.4x slower (the interleaved ratio cancels
+    it, the target's own time and its ops do not): the share of the added time is the same."""
+    def pair(host: float) -> tuple[dict, dict]:
+        base = {"ratio": {"median": 1.0, "lo": 0.99, "hi": 1.01}, "target": {"median": 1.0e-3},
+                "profile": {"ops": [["aten::addmm", 600.0], ["aten::_softmax", 100.0]], "total_us": 700.0}}
+        head = {"ratio": {"median": 1.3, "lo": 1.29, "hi": 1.31}, "target": {"median": 1.3e-3 * host},
+                "profile": {"ops": [["aten::addmm", 600.0 * host], ["aten::_softmax", 400.0 * host]],
+                            "total_us": 1000.0 * host}}
+        return base, head
+
+    got = [compare_perf("m", "c", *pair(host))[0] for host in (1.0, 1.4)]
+    assert [c.op for c in got] == ["aten::_softmax"] * 2
+    assert got[0].op_share == pytest.approx(1.0) and got[1].op_share == pytest.approx(1.0)
+    assert all("aten::_softmax self time 4.0x (100% of the added time)" in c.detail for c in got), got
+
+
+def test_a_speed_up_is_described_as_one() -> None:
+    head = {"total_us": 690.0, "ops": [["aten::addmm", 495.0], ["aten::_softmax", 10.0], ["aten::gelu", 185.0]]}
+    ops = speed.op_shifts(BASE_PROFILE, head, added_us=-300.0, faster=True)
+    assert ops[0].op == "aten::gelu" and ops[0].share == pytest.approx(215 / 300)
+    text = speed.explain(speed.Shift(1 / 1.45, 0.65, 0.72, False, True), ops, base=BASE_PROFILE, head=head)
+    assert text == ("1.45x faster [0.65-0.72 of the base time]; aten::gelu self time 2.2x less "
+                    "(72% of the time saved)"), text
+    assert "slower" not in text and "added" not in text
+
+
+def test_the_added_time_is_the_target_steps_own_and_only_ops_both_sides_list_are_compared() -> None:
+    """compare_perf: the share is of the target step's added time on its clock (medians, head - base); a perf
+    baseline keeps only its top ops, so an op it does not list is not "new" tonight."""
+    base = {"ratio": {"median": 1.40, "lo": 1.38, "hi": 1.42}, "target": {"median": 1.00e-3},
+            "profile": {"ops": [["aten::addmm", 370.0], ["aten::mul", 300.0]], "total_us": 1000.0}}  # truncated
+    head = {"ratio": {"median": 1.96, "lo": 1.94, "hi": 1.98}, "target": {"median": 1.40e-3},
+            "profile": {"ops": [["aten::addmm", 730.0], ["aten::mul", 300.0], ["aten::gelu", 330.0]],
+                        "total_us": 1360.0}}
     change, shift = compare_perf("m", "c", base, head)
-    assert shift.regressed and change.op == "aten::addmm"
-    assert "aten::addmm self time 2.0x (100% of the added time)" in change.detail, change.detail
+    assert shift.regressed and change.op == "aten::addmm" and change.op_share == pytest.approx(0.9)
+    assert "aten::addmm self time 2.0x (90% of the added time)" in change.detail, change.detail
+    assert "gelu" not in change.detail
+    complete = {**base, "profile": {**base["profile"], "total_us": 670.0}}  # the same list, now all of it
+    assert {o.op for o in speed.op_shifts(base["profile"], head["profile"], added_us=400.0)} == {"aten::addmm"}
+    new = speed.op_shifts(complete["profile"], head["profile"], added_us=400.0)
+    assert {o.op for o in new} == {"aten::addmm", "aten::gelu"} and math.isinf(new[1].factor)
+
+
+def test_profiles_on_different_clocks_are_not_compared() -> None:
+    base, head = {**BASE_PROFILE, "clock": "host"}, {**BASE_PROFILE, "clock": "thread-cpu"}
+    text = speed.explain(speed.Shift(1.5, 1.4, 1.6, True, False), [], base=base, head=head)
+    assert text.endswith("the op profiles are on different clocks (host, thread-cpu): not compared")
 
 
 def test_top_ops_keep_order_and_drop_the_noise() -> None:
@@ -147,7 +201,8 @@ def test_rounds_interleave_and_follow_the_budget() -> None:
             clock.now += cost
         return run
 
-    samples = time_rounds({"target": step("t", 0.01), "reference": step("r", 0.03)}, 1.0, wall=clock, warmup=1)
+    samples = time_rounds({"target": step("t", 0.01), "reference": step("r", 0.03)}, 1.0, wall=clock, warmup=1,
+                          adaptive=False)
     rounds = len(samples["wall"]["target"])
     assert rounds == 25 == len(samples["wall"]["reference"])  # 1 s of 40 ms rounds
     assert calls[:2] == ["t", "r"] and calls[2:6] == ["t", "r", "r", "t"]  # warm-up, then rotating order
@@ -160,19 +215,19 @@ def test_slow_models_get_the_minimum_rounds_then_a_hard_cap() -> None:
     def slow() -> None:
         clock.now += 0.5
 
-    assert len(time_rounds({"target": slow}, 1.0, wall=clock)["wall"]["target"]) == 5  # min rounds beat the budget
+    assert len(time_rounds({"target": slow}, 1.0, wall=clock, adaptive=False)["wall"]["target"]) == 5  # min rounds beat the budget
     clock.now = 0.0
 
     def glacial() -> None:
         clock.now += 4.0
 
-    assert len(time_rounds({"target": glacial}, 1.0, wall=clock)["wall"]["target"]) == 3  # 5x budget: stop at 3
+    assert len(time_rounds({"target": glacial}, 1.0, wall=clock, adaptive=False)["wall"]["target"]) == 3  # 5x budget: stop at 3
     clock.now = 0.0
 
     def fast() -> None:
         clock.now += 1e-6
 
-    assert len(time_rounds({"target": fast}, 1.0, wall=clock)["wall"]["target"]) == 200  # max rounds
+    assert len(time_rounds({"target": fast}, 1.0, wall=clock, adaptive=False)["wall"]["target"]) == 200  # max rounds
 
 
 def test_summaries_pair_the_rounds() -> None:
@@ -180,7 +235,7 @@ def test_summaries_pair_the_rounds() -> None:
     assert out["ratio"]["median"] == 2.0 and out["ratio"]["lo"] == out["ratio"]["hi"] == 2.0
     assert out["speedup"]["median"] == 2.0
     assert set(out) == {"target", "reference", "eager", "ratio", "speedup"}
-    assert profile_rounds(None, 2.0) == 3 and profile_rounds(0.001, 2.0) == 5 and profile_rounds(5.0, 2.0) == 3
+    assert profile_rounds(None) == 3 and profile_rounds(0.001) == 5 and profile_rounds(5.0) == 3
 
 
 def test_a_failing_step_loses_no_verdict_only_the_speed() -> None:

@@ -435,6 +435,7 @@ def verdict_line(res: CheckResult) -> str:
     c = res.counts
     head = "OK" if res.ok else "FAIL"
     perf = (f", {len(res.perf.regressions)} perf regression(s) of {res.perf.compared} timed"
+            + (f" ({len(res.perf.inconclusive)} inconclusive, not counted)" if res.perf.inconclusive else "")
             if res.perf is not None else "")
     return (f"{head}: {c['new_failure']} new failure(s), {c['unexpected_pass']} unexpected pass(es){perf}; "
             f"{c['pass']} pass, {c['expected_failure']} expected failure(s), {c['flaky']} flaky, "

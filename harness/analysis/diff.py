@@ -100,6 +100,7 @@ class DiffResult:
         out["regressions"] = [dataclasses.asdict(c) for c in self.regressions]
         out["n_regressions"] = len(self.regressions)
         out["n_perf_regressions"] = len(self.perf.regressions)
+        out["n_perf_inconclusive"] = len(self.perf.inconclusive)
         out["perf"] = self.perf.to_dict()
         out["regression_groups"] = [
             {"group": g, "count": len(items), "models": sorted({c.model_id for c in items})}
@@ -430,5 +431,7 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     n_perf = len(res.perf.regressions)
     verdict = [f"{n_reg} regression(s)"] if n_reg else []
     verdict += [f"{n_perf} perf regression(s)"] if n_perf else []
-    lines.append("\nRESULT: " + (", ".join(verdict) if verdict else "no regressions"))
+    n_open = len(res.perf.inconclusive)
+    verdict += [f"{n_open} perf inconclusive (not counted)"] if n_open else []
+    lines.append("\nRESULT: " + (", ".join(verdict) if n_reg or n_perf else ", ".join(["no regressions", *verdict])))
     return "\n".join(lines)

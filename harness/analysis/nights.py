@@ -27,6 +27,7 @@ from harness.analysis.baseline import (
     write_expected,
 )
 from harness.analysis.perfbase import perf_path, perf_rows, read_perf, write_perf
+from harness.analysis.perfgate import disturbance
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
 
@@ -131,6 +132,10 @@ def update_baselines(db: str | os.PathLike, *, run_id: str | None = None, out: s
         if perfs:  # a run measured with --perf also sets the expected speed
             write_perf(perf_path(dest), run["config"], perfs, command=command)
             lines.append(f"wrote {perf_path(dest)}: the speed of {len(perfs)} models timed with --perf")
+            disturbed = sorted(m for m, perf in perfs.items() if disturbance(perf))
+            if disturbed:  # the file keeps no host signs: a busy night's numbers would pass for a quiet one's
+                lines.append(f"  {len(disturbed)} of them timed on a disturbed host ({', '.join(disturbed[:3])}"
+                             f"{', ...' if len(disturbed) > 3 else ''}): update the perf baseline from a quieter run")
     return lines
 
 

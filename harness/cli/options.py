@@ -107,7 +107,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                    help="after the verdict, time the step on the target and the CPU reference (interleaved, "
                         "synchronized), profile the target's ops, record the device's peak memory")
     p.add_argument("--perf-budget", dest="perf_budget", type=float, default=None, metavar="SECONDS",
-                   help="with --perf: seconds of timed rounds per model, after warm-up (default 1; at least 5 rounds)")
+                   help="with --perf: at most SECONDS of timed rounds per model, after warm-up (default 1; at least "
+                        "5 rounds; fewer seconds once the compared ratio's interval is tight)")
     _config_options(p)
     _backend_option(p)
 

@@ -34,6 +34,8 @@ class QuietLock:
         self._wait_s = wait_s
         self._held = ""  # how the lock is held: "", "shared", "alone", or "off" (waited too long: no lock until the job ends)
         self.timed_alone = True  # this job's timed phase ran alone (or there was none)
+        self.waited_s = 0.0  # how long this job's timed phase waited for the host so far
+        self.job_wait_s = 0.0  # ... and the last finished job's (the price of running alone)
 
     def _take(self, f: IO[bytes], how: int, until: float) -> bool:
         while True:
@@ -54,11 +56,13 @@ class QuietLock:
         if phase == TIMED:
             if self._held != "alone":
                 self.release()
+                t0 = time.monotonic()
                 if self._take(self._intent, fcntl.LOCK_EX, until) and self._take(self._main, fcntl.LOCK_EX, until):
                     self._held = "alone"
                 else:
                     self._off()
                     self.timed_alone = False
+                self.waited_s += time.monotonic() - t0
             return
         if self._held == "shared":
             if self._take(self._intent, fcntl.LOCK_SH, 0.0):  # no timer waiting: keep the phase's lock
@@ -85,8 +89,10 @@ class QuietLock:
         self._held = ""
 
     def end_job(self) -> bool:
-        """The job is over: hold nothing; whether its timed phase ran alone."""
+        """The job is over: hold nothing; whether its timed phase ran alone (and in `job_wait_s` how long it
+        waited for the host)."""
         alone = self.timed_alone
+        self.job_wait_s, self.waited_s = self.waited_s, 0.0
         self.release()
         self.timed_alone = True
         return alone

@@ -69,6 +69,8 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
         alone = quiet.end_job() if quiet is not None else True
     if not alone and m.perf:
         m.perf["ran_alone"] = False  # waited too long for the other workers: timed beside them
+    if quiet is not None and m.perf:
+        m.perf["quiet_wait_s"] = round(quiet.job_wait_s, 3)  # the price of the host to itself, for perf_rates
     m.host = host or socket.gethostname()
     return m
 

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from harness.analysis.matrix import perf_summary, perf_table
-from harness.analysis.perfgate import QUANTITIES, PerfChange, PerfGate
+from harness.analysis.perfgate import QUANTITIES, PerfChange, PerfGate, disturbance
 from harness.report.svg import as_number, svg_spread
 from harness.report.views import fmt, records
 
@@ -56,15 +56,18 @@ def perf_row_view(perf: Any) -> dict[str, Any] | None:
     prof = perf.get("profile") or {}
     total = as_number(prof.get("total_us")) or 0
     ops = [{"op": op, "us": fmt(us), "share": f"{us / total:.1%}" if total else ""} for op, us in prof.get("ops") or []]
+    disturbed = disturbance(perf)
     return {
         "error": "",
         "steps": [{k: (fmt(v) if isinstance(v, float) else v) for k, v in s.items()} for s in steps],
         "svg": svg_spread(steps),
         "numbers": numbers,
         "ops": ops,
-        "profile": f"{fmt(total / 1e3)} ms of {prof.get('clock', 'host')} self time per step, median over "
-                   f"{prof.get('rounds', '')} profiled steps" if ops else perf.get("profile_error", ""),
+        "profile": "; ".join(x for x in (
+            f"{fmt(total / 1e3)} ms of {prof.get('clock', 'host')} self time per step, over {prof.get('rounds', '')} "
+            "profiled steps", str(prof.get("note") or "")) if x) if ops else perf.get("profile_error", ""),
         "note": "; ".join(x for x in (str(perf.get("note") or ""),
+                                       "host disturbed while timed: " + ", ".join(disturbed) if disturbed else "",
                                        f"{perf.get('budget_s', '')} s budget, {perf.get('warmup', '')} warm-up rounds, "
                                        f"{perf.get('threads', '')} intra-op thread(s), {fmt(perf.get('wall_s'))} s in all")
                           if x),
@@ -77,17 +80,21 @@ def perf_diff_view(res: PerfGate, hrefs: dict[str, str]) -> dict[str, Any]:
     def rows(items: list[PerfChange]) -> list[dict[str, Any]]:
         return [{"model": c.model_id, "href": hrefs.get(c.model_id), "config": c.config,
                  "quantity": QUANTITIES[c.quantity], "base": fmt(c.base), "head": fmt(c.head),
-                 "slowdown": fmt(c.slowdown), "op": c.op, "detail": c.detail, "note": c.note} for c in items]
+                 "slowdown": fmt(c.slowdown), "op": c.op, "detail": c.detail,
+                 "note": "; ".join(x for x in (c.note, c.why) if x)} for c in items]
 
     return {
         "threshold": f"{res.threshold:g}",
         "compared": res.compared,
         "geomean": fmt(res.geomean),
         "n_regressions": len(res.regressions),
+        "n_inconclusive": len(res.inconclusive),
         "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in (
             (f"Perf regressions (at least {res.threshold:g}x slower, beyond both runs' noise)", "regression",
              res.regressions),
             ("Perf allowlist: slower, known-noisy (not counted)", "", res.allowlisted),
+            ("Perf inconclusive: the host was too disturbed to tell (not counted; rerun on a quieter host)",
+             "inconclusive", res.inconclusive),
             ("Faster", "fix", res.faster),
         )],
     }

@@ -6,12 +6,17 @@ compiled ``target``), each a callable that returns when its device has finished 
 synchronize the device through the adapter). They run:
 
 1. warm-up rounds (first-call costs: lazy initialisation, allocator growth, autotuning);
-2. timed rounds until the budget is spent (seconds, not a count: a 5 ms model gets hundreds of rounds, a
-   2 s one the minimum), every step once per round, the order rotating from round to round so neither
-   side always runs first. Rounds interleave the sides on purpose: the per-round target/reference ratio
-   cancels what the machine's load does to both (`harness.speed`);
-3. a profile of the target step (torch.profiler, self time per ATen op), kept compactly, so that a later
-   run found slower can say which op added the time.
+2. timed rounds, every step once per round, the order rotating from round to round so neither side always
+   runs first. Rounds interleave the sides on purpose: the per-round target/reference ratio cancels what
+   the machine's load does to both (`harness.speed`). They stop once the interval of the quantity the gate
+   compares is tight enough to decide (`TIGHT`, after `ADAPT_MIN` rounds: a steady 2 ms model needs tens
+   of rounds, not hundreds; `TIGHT_DISTURBED` on a disturbed host, whose drift the gate allows for anyway),
+   else when the budget (seconds) is spent;
+3. while they run, the host's disturbance is read (`HostWatch`: the share of the time the timing thread was
+   runnable but waiting, other processes' CPU use, load, PSI), so a gate can tell a busy host from slower
+   code (`harness.analysis.perfgate`);
+4. a profile of the target step on the clock the step is timed on (`op_profile`), kept compactly, so that a
+   later run found slower can say which op added the time.
 
 The device's peak memory over the timed target steps is recorded where its device module reports one.
 
@@ -28,35 +33,59 @@ thread also makes the CPU reference the same yardstick on hosts with different c
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from harness.speed import median_ranks, ratios, summarize, top_ops
 
-from harness.speed import ratios, summarize, top_ops
-
-DEFAULT_BUDGET_S = 1.0  # timed rounds per model (all steps together), after warm-up
+DEFAULT_BUDGET_S = 1.0  # at most this many seconds of timed rounds per model (all steps together), after warm-up
 WARMUP = 2  # rounds
 MIN_ROUNDS = 5  # samples a median and its interval need, whatever the budget
+ADAPT_MIN = 10  # rounds before an interval counts as tight: fewer leave the order statistics too coarse
+TIGHT = 0.05  # stop once the compared quantity's 95% interval of the median spans at most 5% (hi/lo <= 1.05):
+# two such runs give a slowdown interval of about +-3.5%, far inside the gate's 1.2x threshold
+TIGHT_DISTURBED = 0.10  # ... at most 10% while the host is disturbed: the gate then widens the interval by its
+# drift (1.15x, harness.analysis.perfgate.DRIFT), which rounds do not narrow; more of them only cost
 MAX_ROUNDS = 200  # a 1 ms model does not need thousands
 HARD_CAP = 5.0  # x budget: a model too slow for MIN_ROUNDS stops here (after 3 rounds at least)
-PROFILE_ROUNDS = 3
+PROFILE_ROUNDS = 3  # profiled steps (5 for a step under `PROFILE_FAST_S`)
+PROFILE_FAST_S = 0.02
 THREADS = 1  # intra-op threads while timing (see above)
 
 Step = Callable[[], object]
 
 
+def _deciding(samples: dict[str, list[float]]) -> list[float]:
+    """What the gate compares: the per-round target/reference ratio, else the target's (first step's) times."""
+    if samples.get("target") and samples.get("reference"):
+        return ratios(samples["target"], samples["reference"])
+    return next(iter(samples.values()), [])
+
+
+def tight(x: list[float], tol: float = TIGHT, min_rounds: int = ADAPT_MIN) -> bool:
+    """Whether the 95% interval of the median of ``x`` (`harness.speed.median_ranks`) spans at most ``tol``."""
+    if len(x) < min_rounds:
+        return False
+    lo, hi = median_ranks(len(x))
+    xs = sorted(x)
+    return xs[lo] > 0 and xs[hi] / xs[lo] <= 1 + tol
+
+
 def time_rounds(steps: dict[str, Step], budget_s: float, *, clocks: dict[str, Callable[[], float]] | None = None,
                 warmup: int = WARMUP, min_rounds: int = MIN_ROUNDS, max_rounds: int = MAX_ROUNDS,
-                wall: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, list[float]]]:
+                wall: Callable[[], float] = time.perf_counter, adaptive: bool = True,
+                tolerance: Callable[[], float] = lambda: TIGHT) -> dict[str, dict[str, list[float]]]:
     """Seconds per call of each step on each clock (``{clock: {step: [s, ...]}}``; default: the wall clock),
     interleaved: round r runs the steps starting from the (r mod k)-th.
 
-    The budget is wall time: stops once it is spent and ``min_rounds`` are done, at ``max_rounds``, or (for a
-    model whose rounds are long) at ``HARD_CAP`` x the budget after 3 rounds."""
+    Stops once the compared quantity is `tight` (within ``tolerance()``, asked every few rounds) on the
+    first clock (``adaptive``), once the budget (wall time) is spent and ``min_rounds`` are done, at
+    ``max_rounds``, or (for a model whose rounds are long) at ``HARD_CAP`` x the budget after 3 rounds."""
     clocks = clocks or {"wall": wall}
+    first = next(iter(clocks))
     names = list(steps)
     for _ in range(warmup):
         for name in names:
@@ -64,10 +93,16 @@ def time_rounds(steps: dict[str, Step], budget_s: float, *, clocks: dict[str, Ca
     samples: dict[str, dict[str, list[float]]] = {c: {n: [] for n in names} for c in clocks}
     start = wall()
     r = 0
+    tol = TIGHT
     while r < max_rounds:
         elapsed = wall() - start
         if r and elapsed >= budget_s and (r >= min_rounds or (r >= 3 and elapsed >= HARD_CAP * budget_s)):
             break
+        if adaptive and r >= max(min_rounds, ADAPT_MIN):
+            if r % 5 == 0:
+                tol = tolerance()
+            if tight(_deciding(samples[first]), tol):
+                break
         k = r % len(names)
         for name in names[k:] + names[:k]:
             t0 = {c: read() for c, read in clocks.items()}
@@ -89,55 +124,259 @@ def summaries(samples: dict[str, list[float]]) -> dict[str, Any]:
     return out
 
 
-def op_profile(step: Step, activity: Any = None, *, rounds: int = PROFILE_ROUNDS) -> dict[str, Any]:
-    """Self time per ATen op per step (µs): the device's time where the profiler records the device
-    (``activity``), else the host's (a backend whose kernels run on the host, like sim). Each round is a
-    profile of one step of its own and every op keeps its median over the rounds: a burst of someone
-    else's work lands on one round and in whichever op was running, and the median leaves it out."""
+# ----------------------------------------------------------------------------------------------
+# How disturbed the host was while the rounds ran
+# ----------------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _schedstat() -> tuple[int, int] | None:
+    """(ns on a CPU, ns runnable but waiting for one) of the calling thread; None where the kernel keeps none."""
+    text = _read("/proc/thread-self/schedstat")
+    try:
+        run, wait, *_ = (int(x) for x in (text or "").split())
+    except ValueError:
+        return None
+    return run, wait
+
+
+def _cpu_jiffies() -> tuple[int, int, int] | None:
+    """(busy, total) jiffies of all the host's CPUs and how many there are, from /proc/stat."""
+    text = _read("/proc/stat")
+    if not text:
+        return None
+    lines = text.splitlines()
+    try:
+        fields = [int(x) for x in lines[0].split()[1:]]
+    except (ValueError, IndexError):
+        return None
+    idle = sum(fields[3:5])  # idle, iowait
+    n = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return sum(fields[:8]) - idle, sum(fields[:8]), n
+
+
+def psi_cpu_some() -> float | None:
+    """/proc/pressure/cpu ``some avg10``: the share (%) of the last 10 s some task waited for a CPU."""
+    for line in (_read("/proc/pressure/cpu") or "").splitlines():
+        if line.startswith("some "):
+            for item in line.split()[1:]:
+                key, _, value = item.partition("=")
+                if key == "avg10":
+                    try:
+                        return float(value)
+                    except ValueError:
+                        return None
+    return None
+
+
+class HostWatch:
+    """The host's disturbance over a window of the calling thread (the timed rounds). Thread CPU time is
+    not stretched by waiting, but it does grow with what shares the cores' caches and the memory bus, so
+    a gate needs both: how long this thread waited while runnable (its schedstat) and how much other work
+    ran beside it (/proc/stat's busy CPUs less this thread's own time); the 1-minute load per core (a
+    lagging sign, the run's own workers in it) and PSI ``cpu some avg10`` beside them."""
+
+    def __init__(self) -> None:
+        self._wall = time.perf_counter_ns()
+        self._sched = _schedstat()
+        self._cpu = _cpu_jiffies()
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter_ns() - self._wall
+        sched, cpu = _schedstat(), _cpu_jiffies()
+        out: dict[str, float] = {}
+        run_share = None
+        if wall > 0 and self._sched is not None and sched is not None:
+            run_share = (sched[0] - self._sched[0]) / wall
+            out["wait_share"] = round(max(0.0, (sched[1] - self._sched[1]) / wall), 3)
+        if self._cpu is not None and cpu is not None and cpu[1] > self._cpu[1] and run_share is not None:
+            busy_cores = (cpu[0] - self._cpu[0]) / (cpu[1] - self._cpu[1]) * cpu[2]
+            out["others_cores"] = round(max(0.0, busy_cores - run_share), 2)  # cores' worth of other work
+        cpus = os.cpu_count() or 1
+        out["load_per_core"] = round(os.getloadavg()[0] / cpus, 2)
+        psi = psi_cpu_some()
+        if psi is not None:
+            out["psi_some_avg10"] = psi
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Which ops the step's time goes to, on the step's own clock
+# ----------------------------------------------------------------------------------------------
+
+
+def _ns_clock(clock: tuple[str, Callable[[], float]]) -> Callable[[], int]:
+    name, read = clock
+    if name == "thread-cpu":
+        return time.thread_time_ns
+    if name == "wall":
+        return time.perf_counter_ns
+    return lambda: int(read() * 1e9)
+
+
+def _call_cost(clock_ns: Callable[[], int]) -> int:
+    """What the timer's bracket adds to each op it times: a clock read, and calling the op from Python (an
+    `OpOverload`, where the step itself calls it from C++): the least of a few brackets around a call that
+    does next to nothing (``aten::alias`` of a CPU scalar)."""
+    import torch
+
+    alias, x = torch.ops.aten.alias.default, torch.zeros(())
+    best = None
+    for _ in range(50):
+        t0 = clock_ns()
+        alias(x)
+        d = clock_ns() - t0
+        best = d if best is None else min(best, d)
+    return best or 0
+
+
+_timer_cls: Any = None
+
+
+def _op_timer(clock_ns: Callable[[], int]) -> Any:
+    """A TorchDispatchMode that adds each ATen call's time on ``clock_ns`` to its op (``aten::_softmax``, the
+    overloads together, as the profiler names them). Ops a kernel calls inside itself run below the mode,
+    so each call is counted once: its self time is the whole call."""
+    global _timer_cls
+    if _timer_cls is None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class OpTimer(TorchDispatchMode):
+            def __init__(self, clock: Callable[[], int]) -> None:
+                super().__init__()
+                self.clock = clock
+                self.ns: dict[str, int] = {}
+                self.calls: dict[str, int] = {}
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+                t0 = self.clock()
+                out = func(*args, **(kwargs or {}))
+                t1 = self.clock()
+                name = func._schema.name
+                self.ns[name] = self.ns.get(name, 0) + t1 - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+                return out
+
+        _timer_cls = OpTimer
+    return _timer_cls(clock_ns)
+
+
+def op_profile(step: Step, clock: tuple[str, Callable[[], float]] = ("thread-cpu", time.thread_time), *,
+               rounds: int = PROFILE_ROUNDS, step_s: float | None = None, activity: Any = None,
+               compiled: bool = False) -> dict[str, Any]:
+    """Self time per op per step (µs) on the clock the step is timed on, over ``rounds`` steps after one
+    warm-up step (every op's total over them divided by the same count, so the ops add up to the profiled
+    step's op time). On the thread's CPU time (sim, the CPU), a dispatch-mode timer reads that clock around
+    each op: no profiler to start, and load that only stretches the wall clock stays out. For a wall-clock
+    device whose profiler records the device (``activity``), the device's own time per op. A ``compiled``
+    step runs its graphs below any dispatch mode (Dynamo runs eagerly under one), so torch.profiler's host
+    self time it is, said so. ``step_s``: the timed step's median on its clock, which the op total is held
+    against (`_against_step`)."""
+    if compiled or (activity is not None and clock[0] == "wall"):
+        prof = _profiler_profile(step, activity, rounds, host=compiled)
+        if prof is not None:
+            if compiled and prof["clock"] == "host":
+                prof["note_clock"] = "a compiled step: torch.profiler's host self time, not the step's clock"
+            return _against_step(prof, step_s)
+    clock_ns = _ns_clock(clock)
+    bias = _call_cost(clock_ns)
+    ns: dict[str, int] = {}
+    calls = 0
+    for r in range(rounds + 1):
+        timer = _op_timer(clock_ns)
+        with timer:
+            step()
+        if r == 0:
+            continue  # the first step through the mode warms its own code paths
+        for op, t in timer.ns.items():
+            ns[op] = ns.get(op, 0) + max(0, t - bias * timer.calls[op])
+        calls += sum(timer.calls.values())
+    per_step = {op: t / rounds / 1e3 for op, t in ns.items()}
+    out = {"clock": clock[0], "rounds": rounds, "total_us": round(sum(per_step.values()), 1),
+           "ops": top_ops(per_step), "calls": round(calls / rounds)}
+    return _against_step(out, step_s)
+
+
+def _profiler_profile(step: Step, activity: Any, rounds: int, *, host: bool) -> dict[str, Any] | None:
+    """torch.profiler's self time per ATen op per step: the device's where it recorded any, else (``host``)
+    the host's; None when neither."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([activity] if activity is not None else [])
-    per_round: list[dict[str, float]] = []
-    clock = "host"
+    dev: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for _ in range(rounds):
-        with profile(activities=activities) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + ([activity] if activity is not None else [])) as prof:
             step()
-        host: dict[str, float] = {}
-        dev: dict[str, float] = {}
         for evt in prof.key_averages():
-            if evt.key.startswith("aten::"):
-                host[evt.key] = host.get(evt.key, 0.0) + float(evt.self_cpu_time_total)
-                device_us = float(getattr(evt, "self_device_time_total", 0) or 0) if activity is not None else 0.0
-                dev[evt.key] = dev.get(evt.key, 0.0) + device_us
-        # A backend that reports device time has it on its ops; one whose kernels run on the host has none
-        if any(v > 0 for v in dev.values()):
-            per_round.append(dev)
-            clock = "device"
-        else:
-            per_round.append(host)
-    ops = {op: float(np.median([r.get(op, 0.0) for r in per_round])) for op in set().union(*per_round)}
-    return {"rounds": rounds, "total_us": round(float(np.median([sum(r.values()) for r in per_round])), 1),
-            "ops": top_ops(ops), "clock": clock}
+            if not evt.key.startswith("aten::"):
+                continue
+            cpu[evt.key] = cpu.get(evt.key, 0.0) + float(evt.self_cpu_time_total)
+            us = float(getattr(evt, "self_device_time_total", 0) or 0) if activity is not None else 0.0
+            if us > 0:
+                dev[evt.key] = dev.get(evt.key, 0.0) + us
+    times, clock = (dev, "device") if dev else ((cpu, "host") if host and cpu else ({}, ""))
+    if not times:
+        return None
+    per_step = {op: us / rounds for op, us in times.items()}
+    return {"clock": clock, "rounds": rounds, "total_us": round(sum(per_step.values()), 1), "ops": top_ops(per_step)}
 
 
-PROFILE_OVERHEAD_S = 0.06  # starting and reading a profile of one step (measured: 50-80 ms on sim)
+COVER = 0.1  # the op total and the timed step agree within 10%, or the profile says why not
 
 
-def profile_rounds(target_s: float | None, budget_s: float) -> int:
-    """Profiled steps: about a quarter of the timing budget, 3 to 5 (each a profile of its own)."""
-    if not target_s or target_s <= 0:
-        return PROFILE_ROUNDS
-    return int(min(5, max(PROFILE_ROUNDS, 0.25 * budget_s / (target_s + PROFILE_OVERHEAD_S))))
+def _against_step(prof: dict[str, Any], step_s: float | None) -> dict[str, Any]:
+    """The op total held against the timed step (``step_us``, ``covers`` = ops / step) and, where they differ
+    by more than `COVER`, why."""
+    said = prof.pop("note_clock", "")
+    if not step_s or step_s <= 0:
+        if said:
+            prof["note"] = said
+        return prof
+    step_us, total = step_s * 1e6, float(prof.get("total_us") or 0)
+    prof["step_us"] = round(step_us, 1)
+    prof["covers"] = round(total / step_us, 3)
+    ops_ms, step_ms = f"{total / 1e3:.3g}", f"{step_us / 1e3:.3g}"
+    if total < (1 - COVER) * step_us:
+        prof["note"] = (f"ops {ops_ms} of {step_ms} ms per step; the rest is time between ops (Python, the "
+                        "framework above the dispatcher)" if prof["clock"] != "device" else
+                        f"device time {ops_ms} of the step's {step_ms} ms (wall, synchronized); the rest is "
+                        "the host's: launches, Python, waiting")
+    elif total > (1 + COVER) * step_us:
+        prof["note"] = (f"ops {ops_ms} ms per profiled step, the timed step {step_ms} ms: the profiled steps ran "
+                        "slower (a busier host while profiling, or work on another thread of the step)")
+    if said:
+        prof["note"] = "; ".join(x for x in (said, prof.get("note", "")) if x)
+    return prof
+
+
+def _tolerance(watch: HostWatch) -> float:
+    """How tight the rounds need to get, by the host's disturbance so far (the gate's own signs)."""
+    from harness.analysis.perfgate import disturbance
+
+    return TIGHT_DISTURBED if disturbance({"host": watch.stop()}) else TIGHT
+
+
+def profile_rounds(target_s: float | None) -> int:
+    """Profiled steps: 5 for a fast step (their cost is the timer's few µs per op), else 3."""
+    return 5 if target_s is not None and 0 < target_s < PROFILE_FAST_S else PROFILE_ROUNDS
 
 
 def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock: tuple[str, Callable[[], float]] = (
             "wall", time.perf_counter), profile: Step | None = None, activity: Any = None,
-            reset_peak: Callable[[], None] | None = None, peak_mb: Callable[[], float | None] | None = None
-            ) -> dict[str, Any]:
+            reset_peak: Callable[[], None] | None = None, peak_mb: Callable[[], float | None] | None = None,
+            adaptive: bool = True, compiled: bool = False) -> dict[str, Any]:
     """Time ``steps`` (`time_rounds`) on ``clock`` (the one the target's adapter says measures its device;
-    the wall clock's summaries are kept beside it when it is another), profile ``profile`` (the target step),
-    read the device's peak memory; returns the row's fields (``perf_*`` and the ``perf`` dict). Never raises:
-    a failure is in ``perf.error``."""
+    the wall clock's summaries are kept beside it when it is another), read the host's disturbance over the
+    rounds (``perf.host``), profile ``profile`` (the target step) on the same clock, read the device's peak
+    memory; returns the row's fields (``perf_*`` and the ``perf`` dict). Never raises: a failure is in
+    ``perf.error``."""
     import torch
 
     t0 = time.perf_counter()
@@ -146,7 +385,7 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
-        _timed(steps, budget_s, clock, profile, activity, reset_peak, peak_mb, perf, fields)
+        _timed(steps, budget_s, clock, profile, activity, reset_peak, peak_mb, perf, fields, adaptive, compiled)
     finally:
         torch.set_num_threads(threads)
     perf["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -155,7 +394,7 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
 
 def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[], float]], profile: Step | None,
            activity: Any, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
-           perf: dict[str, Any], fields: dict[str, Any]) -> None:
+           perf: dict[str, Any], fields: dict[str, Any], adaptive: bool, compiled: bool) -> None:
     peak_kept = peak_mb is not None
     if peak_kept and reset_peak is not None:
         try:  # peak memory is optional: a backend without statistics still has its timing
@@ -164,11 +403,16 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
             peak_kept, perf["peak_mem_error"] = False, _error(e)
     try:
         clocks = {clock[0]: clock[1], "wall": time.perf_counter}
-        samples = time_rounds(steps, budget_s, clocks=clocks)
+        watch = HostWatch()
+        samples = time_rounds(steps, budget_s, clocks=clocks, adaptive=adaptive, tolerance=lambda: _tolerance(watch))
+        perf["host"] = watch.stop()
         perf.update(summaries(samples[clock[0]]))
         perf["samples_us"] = {k: [round(v * 1e6) for v in s] for k, s in samples[clock[0]].items()}  # re-analysis
         if clock[0] != "wall":
             perf["wall"] = summaries(samples["wall"])
+        decided = perf.get("ratio") or perf.get("target")
+        if decided:
+            perf["host"]["spread"] = round((decided["q3"] - decided["q1"]) / decided["median"], 3)
         fields.update(_headline(perf, len(next(iter(samples[clock[0]].values()), []))))
     except Exception as e:  # speed is diagnostics: the verdict stands
         perf["error"] = _error(e)
@@ -180,7 +424,9 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
             perf["peak_mem_error"] = _error(e)
     if profile is not None and "error" not in perf:
         try:
-            perf["profile"] = op_profile(profile, activity, rounds=profile_rounds(fields.get("perf_target_s"), budget_s))
+            target_s = fields.get("perf_target_s")
+            perf["profile"] = op_profile(profile, clock, rounds=profile_rounds(target_s), step_s=target_s,
+                                         activity=activity, compiled=compiled)
         except Exception as e:
             perf["profile_error"] = _error(e)
 
@@ -226,7 +472,8 @@ def measure_model(plan: Any, cpu_model: Any, target: Any, device: str, adapter: 
         steps["reference"] = lambda: plan.step(cpu_model, plan.inputs)
     out = measure(steps, budget_s=budget_s, clock=adapter.perf_clock(), profile=on_target,
                   activity=adapter.profiler_activity(),
-                  reset_peak=lambda: adapter.reset_peak_memory(device), peak_mb=lambda: adapter.peak_memory_mb(device))
+                  reset_peak=lambda: adapter.reset_peak_memory(device), peak_mb=lambda: adapter.peak_memory_mb(device),
+                  compiled=compiled)
     if cpu_model is None:
         out["perf"]["note"] = "reference not timed: the model moved to the device in place (a checkpoint too large to copy)"
     return out
