@@ -167,7 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             else max(1, os.cpu_count() or 1))
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
-                         rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
+                         rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address,
+                         harvest=args.harvest)
     fleet = fleet_for(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
     # or a new file we can create) and --report can be written: checked before the banner and any write

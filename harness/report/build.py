@@ -44,6 +44,7 @@ from harness.report.views import (
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
 from harness.results.store import ResultStore
+from harness.results.variations import default_run
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
@@ -93,9 +94,9 @@ def _load(
     nightly DB with several settings is one site: a matrix column per setting, a row per setting on
     each model page; the header names the first configuration's run."""
     with ResultStore(db_path, read_only=True) as store:
-        if night and run_id is None and len(nights := night_runs(store)) > 1:
+        if night and run_id is None and len(nights := night_runs(store, ("models",))) > 1:
             return _load_night(store, [r["run_id"] for r in nights], base_db)
-        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
+        rid = run_id or default_run(store) or store.latest_run()  # a model run: op runs have their own pages
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
         df = with_config(store.results(rid))  # raises StoreError for an unknown run id
