@@ -167,8 +167,9 @@ def _ranking(var: dict[str, dict[str, Any]], uses: Mapping[str, Mapping[str, int
         outcomes: dict[str, int] = {}
         for v in vs:
             outcomes[v["outcome"]] = outcomes.get(v["outcome"], 0) + 1
-        verb, gain = ("implement", f"+{len(unblocks)} model{'s' if len(unblocks) != 1 else ''} run"
-                      + (f" ({len(blocks)} blocked now)" if blocks else "")) if blocking else (
+        missing = any(v["outcome"] == "unsupported_op" for v in failing)
+        verb, gain = ("implement" if missing else "fix", f"+{len(unblocks)} model{'s' if len(unblocks) != 1 else ''} "
+                      "run" + (f" ({len(blocks)} blocked now)" if blocks else "")) if blocking else (
                       "fix", f"explains {len(explains)} model drift{'s' if len(explains) != 1 else ''}"
                       + (f", +{len(unblocks)} matched" if unblocks else ""))
         records.append({
