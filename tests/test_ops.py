@@ -252,3 +252,17 @@ def test_smoke_worklist_through_the_cli(tmp_path: Path, settings: list[str]) -> 
         top = max(groups.values())
         assert int(work.ranking.iloc[0]["blocks"]) == top and work.ranking.iloc[0]["op"] in {
             op for op, n in groups.items() if n == top}
+
+
+@pytest.mark.slow
+def test_opinfo_samples_of_the_ops_the_list_uses(tmp_path: Path) -> None:
+    """`--source opinfo`: PyTorch's samples of the harvested ops, in float32 and the dtypes the models use
+    (int64 for add), run as variations: a planted GELU bug drifts GELU's samples and nothing else."""
+    import harness.sim  # noqa: F401
+    from harness.ops.opinfo import variations
+
+    specs = variations({"aten::gelu.default": {"float32"}, "aten::add.Tensor": {"float32", "int64"}}, samples=3)
+    assert {s["dtype"] for s in specs.values() if s["op"] == "aten::add.Tensor"} == {"float32", "int64"}
+    got = {vid: run_variation(Task(entry={"id": vid}, target="sim:0", settings={**YOUNG, "numerics": "gelu-mixup"},
+                                   kind="variation", variation=spec)).outcome for vid, spec in specs.items()}
+    assert {v for v, o in got.items() if o == "drift"} == {v for v in got if v.startswith("aten::gelu")}, got

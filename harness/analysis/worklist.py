@@ -191,15 +191,20 @@ def _ranking(var: dict[str, dict[str, Any]], uses: Mapping[str, Mapping[str, int
     return pd.concat([todo, done]).drop(columns="_rows").reset_index(drop=True)
 
 
-def uncovered(variations: pd.DataFrame, model_rows: pd.DataFrame | None) -> dict[str, list[str]]:
+def uncovered(variations: pd.DataFrame, model_rows: pd.DataFrame | None,
+              uses: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, list[str]]:
     """Missing ops that model rows name and no failing variation accounts for: op -> models. The harvest
     sees the CPU's op calls; a composite op that takes a device-specific path (an LSTM: ``mkldnn_rnn_layer``
-    on the CPU, a fused cell on an accelerator) calls kernels on the target that no variation holds."""
+    on the CPU, a fused cell on an accelerator) calls kernels on the target that no variation holds. With
+    `uses`, only models every variation of which this op run ran (not one cut short by ``--only``)."""
     if model_rows is None or model_rows.empty:
         return {}
+    ran = set(variations["variation_id"]) if not variations.empty else set()
     covered = set(variations.loc[variations["outcome"].isin(sorted(BLOCKING)), "fix"]) if not variations.empty else set()
     out: dict[str, list[str]] = {}
     for r in column_records(model_rows[model_rows["outcome"] == "unsupported_op"], ("model_id", "unsupported_op")):
+        if uses is not None and (not uses.get(r["model_id"]) or not set(uses[r["model_id"]]) <= ran):
+            continue
         for op in split_ops(r["unsupported_op"]):
             if op not in covered:
                 out.setdefault(op, []).append(r["model_id"])
@@ -245,14 +250,14 @@ def load(db: str | os.PathLike, run_id: str | None = None, source: str = "models
         run = store.runs().set_index("run_id").loc[op_run]
         ids = set(op_rows["model_id"])
         wanted = set(model_rows["model_id"]) if model_rows is not None and not model_rows.empty else None
-        uses = {m: {v: c for v, c in used.items() if v in ids}
-                for m, used in rv.harvested(store, wanted, run.settings).items()}
+        every = rv.harvested(store, wanted, run.settings)
+        uses = {m: {v: c for v, c in used.items() if v in ids} for m, used in every.items()}
         uses = {m: u for m, u in uses.items() if u}
         specs = rv.specs(store, ids)
     variations, ranking = join(op_rows, specs, uses, model_rows)
     counts = op_rows["outcome"].value_counts().to_dict() if not op_rows.empty else {}
     return Worklist(variations, ranking, op_run, model_run, settings_label(run.target, run.settings),
-                    {str(k): int(v) for k, v in counts.items()}, uncovered(variations, model_rows))
+                    {str(k): int(v) for k, v in counts.items()}, uncovered(variations, model_rows, every))
 
 
 def format_worklist(w: Worklist, *, limit: int = 10, examples: int = 3) -> str:

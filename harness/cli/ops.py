@@ -96,14 +96,15 @@ def cmd_ops(args: argparse.Namespace) -> int:
     with ResultStore(args.db, read_only=True) as store:
         uses = harvested(store, [e.id for e in entries], config.settings)
         found = specs(store, jobs.used(uses))
-    harvested_specs = {vid: meta["spec"] for vid, meta in found.items()}
+    only = args.only.split(",") if args.only else []
+    harvested_specs = jobs.select({vid: meta["spec"] for vid, meta in found.items()}, only)
     if args.source == "opinfo":
         from harness.ops.opinfo import variations
 
         wanted = variations(jobs.dtypes_by_op(harvested_specs), samples=args.opinfo_samples, seed=config.seed)
     else:
         wanted = harvested_specs
-    chosen = jobs.select(wanted, args.only.split(",") if args.only else ())
+    chosen = jobs.select(wanted, only)
     entries_v = shard([jobs.entry(vid, spec) for vid, spec in chosen.items()], args.shard)
     if args.limit:
         entries_v = entries_v[: args.limit]

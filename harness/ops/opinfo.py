@@ -63,6 +63,12 @@ def opinfos_for(ops: Iterable[str]) -> dict[str, list[Any]]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _cached(name: str, variant: str, dtype: torch.dtype, seed: int, limit: int) -> list[Any]:
+    """A worker's samples of one OpInfo and dtype, made once (each job takes one of them, copied)."""
+    return _samples(_db()[(name, variant)], dtype, seed, limit)
+
+
 def _samples(info: Any, dtype: torch.dtype, seed: int, limit: int | None) -> list[Any]:
     torch.manual_seed(seed)
     out = []
@@ -73,12 +79,15 @@ def _samples(info: Any, dtype: torch.dtype, seed: int, limit: int | None) -> lis
     return out
 
 
-def _describe(sample: Any) -> list[str]:
+def _tensors(sample: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_flatten
 
-    leaves = tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+    return [x for x in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(x, torch.Tensor)]
+
+
+def _describe(sample: Any) -> list[str]:
     return [f"{dtype_name(x.dtype)}{list(x.shape)}" + ("" if x.is_contiguous() else "/strided")
-            for x in leaves if isinstance(x, torch.Tensor)]
+            for x in _tensors(sample)]
 
 
 def variations(dtypes_by_op: Mapping[str, Iterable[str]], *, samples: int = DEFAULT_SAMPLES, seed: int = 0
@@ -101,6 +110,8 @@ def variations(dtypes_by_op: Mapping[str, Iterable[str]], *, samples: int = DEFA
                     continue
                 oid = f"{info.name}.{info.variant_test_name}" if info.variant_test_name else info.name
                 for i, s in enumerate(batch):
+                    if any(x.layout != torch.strided for x in _tensors(s)):
+                        continue  # sparse layouts: a strided device's kernels are what is asked about
                     vid = f"{display}#opinfo:{oid}:{name}:{i}"
                     out[vid] = {"source": "opinfo", "op": display, "display": display, "opinfo": info.name,
                                 "variant": info.variant_test_name, "dtype": name, "index": i, "seed": seed,
@@ -114,7 +125,8 @@ def sample_call(spec: Mapping[str, Any], seed: int) -> tuple[Any, list[Any], dic
     if info is None:
         raise ValueError(f"no OpInfo {spec['opinfo']!r} in torch {torch.__version__}")
     index = int(spec["index"])
-    batch = _samples(info, getattr(torch, spec["dtype"]), int(spec.get("seed", seed)), index + 1)
+    batch = _cached(info.name, info.variant_test_name, getattr(torch, spec["dtype"]), int(spec.get("seed", seed)),
+                    max(index + 1, DEFAULT_SAMPLES))
     if len(batch) <= index:
         raise ValueError(f"OpInfo {spec['opinfo']} has only {len(batch)} {spec['dtype']} samples in this torch")
     s = batch[index]

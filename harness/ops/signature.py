@@ -380,6 +380,7 @@ def _ordered(x: torch.Tensor, gen: dict[str, Any], g: torch.Generator) -> torch.
         pool = torch.tensor(gen["distinct"], dtype=torch.long) if "distinct" in gen else None
         if pool is not None and len(pool) >= n:
             x = pool[torch.randperm(len(pool), generator=g)[:n]].to(x.dtype)
-        elif pool is None:
+        elif pool is None and hi - lo + 1 <= max(4 * n, 1 << 16):
             x = (torch.randperm(hi - lo + 1, generator=g)[:n] + lo).to(x.dtype)
+        # a wider range (an uninitialised buffer's garbage): independent draws rarely collide there
     return torch.sort(x).values if gen.get("sorted") else x
