@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -155,6 +156,23 @@ def test_the_join_blocks_explains_and_ranks() -> None:
     assert uncovered(table, models) == {"aten::_thnn_fused_lstm_cell": ["m6"]}
 
 
+def test_run_harvest_records_the_same_variations_with_a_cached_reference_side(tmp_path: Path) -> None:
+    """`run --harvest` records during the reference's determinism run; a model whose reference side comes from
+    the cache runs one more step for it: the same variations, and the verdict is the one without harvesting."""
+    import harness.sim  # noqa: F401
+    from harness.models.model_list import find_entry
+    from harness.run.pipeline import run_one
+
+    def one(recorder: type | None) -> object:
+        return run_one(Task(entry=asdict(find_entry("tiny/bert/base")), target="sim:0", settings=EXACT,
+                            ref_cache=str(tmp_path / "cache"), localize=False), recorder=recorder)
+
+    computed, cached, plain = one(Harvest), one(Harvest), one(None)
+    assert (computed.ref_cache.split(" ")[0], cached.ref_cache) == ("stored", "cached")
+    assert computed.harvest["uses"] and computed.harvest["uses"] == cached.harvest["uses"]
+    assert computed.outcome == cached.outcome == plain.outcome and not plain.harvest
+
+
 def _variations(db: Path, entries: list, settings: dict) -> dict[str, dict]:
     with ResultStore(db, read_only=True) as store:
         uses = rv.harvested(store, [e.id for e in entries], settings)
@@ -177,9 +195,9 @@ def test_variations_through_the_fleet_agree_with_groups_and_explain_a_planted_bu
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows([("bert", "masked-lm"), ("mixtral", "causal-lm")]))
     entries, db = load_model_list(str(lst)), tmp_path / "r.db"
-    settings = {**YOUNG, "numerics": "gelu-mixup"}
+    settings = {**YOUNG, "numerics": "gelu-mixup", "confirm": "off"}  # the op check names the kernel: enough
     run_models(entries, RunConfig(settings=settings, jobs=2, retries=0, timeout_s=300, progress=False,
-                                  fork_workers=True, harvest=True), db, list_name="pair")
+                                  fork_workers=True, harvest=True, localize=False), db, list_name="pair")
     _op_run(db, entries, settings, "pair")
     work = load(db)
     assert work.op_run is not None and work.model_run is not None
@@ -193,6 +211,13 @@ def test_variations_through_the_fleet_agree_with_groups_and_explain_a_planted_bu
     assert drifting == {"aten::gelu"} and drift_rows == {"tiny/bert/masked-lm"}
     assert set().union(*map(set, work.variations["explains"])) == drift_rows
     assert list(work.top(2)["op"]) in (["aten::sort.stable", "aten::gelu"], ["aten::gelu", "aten::sort.stable"])
+    from harness.report import build_report
+    from harness.report.worklist import op_href
+
+    index = build_report(db, tmp_path / "site").read_text()
+    assert 'id="what-to-fix-first"' in index and op_href("aten::gelu") in index
+    gelu = (tmp_path / "site" / op_href("aten::gelu")).read_text()
+    assert "tiny/bert/masked-lm" in gelu and "../repro/" in gelu  # the drift it explains, its repro
 
 
 def cli(python: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

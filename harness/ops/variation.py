@@ -33,7 +33,7 @@ from harness.backends.contracts import Contract, Emulate, contract
 from harness.ops.signature import display, regenerate, resolve
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain, target_failure
-from harness.run.context import Task
+from harness.run.context import Stop, Task
 from harness.run.opcheck import OpFailure, judge_output, repro_preamble, write_repro
 from harness.run.target import census_fields
 
@@ -42,12 +42,6 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "empty_permu
 
 
 ANNOUNCED = ("reference", "target")
-
-
-class Stop(Exception):
-    def __init__(self, fields: dict[str, Any]) -> None:
-        super().__init__(fields.get("outcome", ""))
-        self.fields = fields
 
 
 @dataclass
