@@ -33,9 +33,16 @@ _NOT_KERNELS = frozenset({"_local_scalar_dense", "detach", "alias", "lift_fresh"
                           "_copy_from_and_resize", "record_stream"})
 
 
+_RECORDED: dict[Any, bool] = {}
+
+
 def recorded(func: torch._ops.OpOverload) -> bool:
-    name = func._schema.name
-    return name.startswith("aten::") and name[6:] not in _NOT_KERNELS
+    """An ATen kernel (not plumbing); looked up once per overload (this runs for every call)."""
+    known = _RECORDED.get(func)
+    if known is None:
+        name = func._schema.name
+        known = _RECORDED[func] = name.startswith("aten::") and name[6:] not in _NOT_KERNELS
+    return known
 
 
 # Quick call key -> its variation (id, spec, models observed), across the models this process harvests: a
@@ -50,6 +57,10 @@ _KNOWN_MAX = 20_000  # about 20 MB of signatures; a worker that sees more starts
 class Harvest(TorchDispatchMode):
     """While active, record every ATen call as a variation: `result()` gives the uses and signatures."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # the reference step runs eagerly: no per-call guard against Dynamo (~10 us a call)
+
     def __init__(self) -> None:
         super().__init__()
         self._calls: dict[Any, int] = {}
@@ -61,7 +72,7 @@ class Harvest(TorchDispatchMode):
             try:
                 key = call_key(func, args, kwargs)
                 hash(key)
-            except TypeError:
+            except (TypeError, RuntimeError):  # unhashable arguments; a sparse tensor (no strides)
                 key = None
             if key is not None:
                 if key not in self._sigs:  # this model's first call of it: observed before the call (an

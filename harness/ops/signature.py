@@ -280,7 +280,7 @@ def call_key(func: torch._ops.OpOverload, args: tuple, kwargs: dict[str, Any]) -
 
 def _quick(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return (x.dtype, tuple(x.shape), x.stride(), x.storage_offset() > 0, x.layout)
+        return (x.dtype, x.shape, x.stride(), x.storage_offset() > 0)  # a sparse tensor has no strides: no key
     if isinstance(x, (list, tuple)):
         return tuple(_quick(v) for v in x)
     if isinstance(x, float) and math.isnan(x):
