@@ -35,6 +35,8 @@ from harness.results.store import ResultStore
 BLOCKING = frozenset({"unsupported_op", "crash", "timeout", "oom"})  # the variation did not run to a result
 DRIFTING = frozenset({"drift"})
 MODEL_BLOCKED = frozenset({"crash", "timeout", "oom"})  # model outcomes a crashing variation may explain
+OP_COLUMNS = ("model_id", "outcome", "unsupported_op", "error_message", "repro_path", "arch")
+MODEL_COLUMNS = ("model_id", "outcome", "unsupported_op", "first_drift_op", "first_drift_op_inputs")
 VARIATION_COLUMNS = ["variation_id", "op", "fix", "inputs", "source", "outcome", "models", "calls", "blocks",
                      "explains", "error", "repro_path"]
 RANKING_COLUMNS = ["op", "variations", "failing", "outcomes", "blocks", "explains", "unblocks", "needs", "models",
@@ -72,26 +74,24 @@ class Worklist:
 def join(op_rows: pd.DataFrame, specs: Mapping[str, Mapping[str, Any]], uses: Mapping[str, Mapping[str, int]],
          model_rows: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(variations, ranking): each variation's result with the models it blocks and explains, and the ops
-    ranked by them."""
+    ranked by them. `specs`: variation id -> {"op", "source", and "inputs" or the "spec" to describe}."""
     users: dict[str, dict[str, int]] = {}
     for model, used in uses.items():
         for vid, calls in used.items():
             users.setdefault(vid, {})[model] = int(calls)
-    rows = column_records(op_rows, ("model_id", "outcome", "unsupported_op", "error_message", "repro_path",
-                                    "arch")) if not op_rows.empty else []
-    models = {r["model_id"]: r for r in column_records(model_rows, ("model_id", "outcome", "unsupported_op",
-                                                                     "first_drift_op", "first_drift_op_inputs"))
+    rows = column_records(op_rows, OP_COLUMNS) if not op_rows.empty else []
+    models = {r["model_id"]: r for r in column_records(model_rows, MODEL_COLUMNS)
               } if model_rows is not None and not model_rows.empty else {}
     var: dict[str, dict[str, Any]] = {}
     for r in rows:
         vid = r["model_id"]
         meta = specs.get(vid, {})
-        spec = meta.get("spec", {})
         op = rv.display(_text(meta.get("op")) or vid.split("#", 1)[0])
         outcome = _text(r["outcome"])
         missing = split_ops(r.get("unsupported_op"))
         fix = missing[0] if outcome == "unsupported_op" and missing else op
-        var[vid] = {"variation_id": vid, "op": op, "fix": fix, "inputs": rv.describe(spec) if spec else [],
+        inputs = meta["inputs"] if "inputs" in meta else rv.describe(meta["spec"]) if "spec" in meta else []
+        var[vid] = {"variation_id": vid, "op": op, "fix": fix, "inputs": list(inputs),
                     "source": _text(meta.get("source")) or ("opinfo" if "#opinfo:" in vid else "models"),
                     "outcome": outcome, "users": users.get(vid, {}),
                     "error": _text(r.get("error_message")).split("\n", 1)[0][:300],
@@ -245,15 +245,15 @@ def load(db: str | os.PathLike, run_id: str | None = None, source: str = "models
         if op_run is None:
             return Worklist(pd.DataFrame(columns=VARIATION_COLUMNS), pd.DataFrame(columns=RANKING_COLUMNS),
                             None, model_run)
-        op_rows = store.results(op_run)
-        model_rows = store.results(model_run) if model_run else None
+        op_rows = rv.run_rows(store, op_run, OP_COLUMNS)
+        model_rows = rv.run_rows(store, model_run, MODEL_COLUMNS) if model_run else None
         run = store.runs().set_index("run_id").loc[op_run]
         ids = set(op_rows["model_id"])
         wanted = set(model_rows["model_id"]) if model_rows is not None and not model_rows.empty else None
         every = rv.harvested(store, wanted, run.settings)
         uses = {m: {v: c for v, c in used.items() if v in ids} for m, used in every.items()}
         uses = {m: u for m, u in uses.items() if u}
-        specs = rv.specs(store, ids)
+        specs = rv.variation_meta(store, ids)
     variations, ranking = join(op_rows, specs, uses, model_rows)
     counts = op_rows["outcome"].value_counts().to_dict() if not op_rows.empty else {}
     return Worklist(variations, ranking, op_run, model_run, settings_label(run.target, run.settings),

@@ -225,6 +225,7 @@ class VariationRow:
     op: str  # the op as backends and model rows name it: aten::addmm, aten::sort.stable
     spec: dict  # the signature and what was seen of the values; OpInfo's: the sample's name, dtype and index
     source: str = "models"  # models: harvested from a list's models; opinfo: one of PyTorch's OpInfo samples
+    inputs: list = field(default_factory=list)  # "float32[2, 16, 64]" per tensor argument (views read this, not spec)
     finished_at: str = ""
 
 

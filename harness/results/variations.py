@@ -22,9 +22,11 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import pandas as pd
+
 from harness.results.codec import canonical_json, encode
 from harness.results.rows import OpUseRow, VariationRow, utc_now
-from harness.results.schema import OP_USES, VARIATIONS
+from harness.results.schema import OP_USES, RESULTS, VARIATIONS
 from harness.results.store import ResultStore
 
 OPS_PREFIX = "ops:"
@@ -177,8 +179,8 @@ def record_harvest(store: ResultStore, run_id: str, model_id: str, settings: Map
                 seen[vid] = spec
     with store.transaction():
         store.put_raw_rows(VARIATIONS.name, [encode(VariationRow(run_id=run_id, variation_id=vid, op=_op(spec),
-                                                                  spec=spec, finished_at=now), VARIATIONS.types)
-                                             for vid, spec in write.items()])
+                                                                  spec=spec, inputs=describe(spec), finished_at=now),
+                                                     VARIATIONS.types) for vid, spec in write.items()])
         store.put_raw_rows(OP_USES.name, [encode(row, OP_USES.types)])
 
 
@@ -186,7 +188,7 @@ def record_variations(store: ResultStore, run_id: str, specs: Mapping[str, dict[
     """Signatures a run made itself (OpInfo samples), so its views can describe them."""
     now = utc_now()
     rows = [encode(VariationRow(run_id=run_id, variation_id=vid, op=_op(spec), spec=dict(spec), source=source,
-                                finished_at=now), VARIATIONS.types) for vid, spec in specs.items()]
+                                inputs=describe(spec), finished_at=now), VARIATIONS.types) for vid, spec in specs.items()]
     with store.transaction():
         store.put_raw_rows(VARIATIONS.name, rows)
 
@@ -223,4 +225,45 @@ def specs(store: ResultStore, ids: Iterable[str] | None = None) -> dict[str, dic
         if vid not in out or when >= out[vid][0]:
             out[vid] = (when, r)
     return {vid: {"op": r["op"], "spec": json.loads(r["spec"] or "{}"), "source": r["source"]}
+            for vid, (_, r) in out.items()}
+
+
+# -- lean reads for the worklist: the columns it joins on, not whole rows ------------------------------------
+# (a night's op run is tens of thousands of rows; `ResultStore.results` decodes every column of each)
+
+
+def run_rows(store: ResultStore, run_id: str, columns: Iterable[str]) -> pd.DataFrame:
+    """`columns` of `run_id`'s result rows (list and dict columns decoded; a column the DB lacks is empty)."""
+    have = store._result_columns()
+    cols = [c for c in columns if c in have]
+    rows = store._query(f"SELECT {', '.join(cols)} FROM results WHERE run_id=? ORDER BY model_id", (run_id,))
+    df = pd.DataFrame(rows, columns=cols)
+    for c in columns:
+        if c not in df.columns:
+            df[c] = pd.Series([None] * len(df), dtype=object)
+        elif RESULTS.types.get(c) in (dict, list):
+            df[c] = df[c].map(lambda v: json.loads(v) if isinstance(v, str) and v else None)
+    return df
+
+
+def variation_meta(store: ResultStore, ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Variation id -> {"op", "source", "inputs"}, the latest recorded, without parsing signatures (`specs`
+    for those)."""
+    if not store._has_table(VARIATIONS.name):
+        return {}
+    wanted = None if ids is None else set(ids)
+    have = {r["name"] for r in store._query(f"SELECT name FROM pragma_table_info('{VARIATIONS.name}')")}
+    inputs = "inputs" if "inputs" in have else "NULL AS inputs"
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    # a row written before `inputs` existed: described from its signature
+    spec = "CASE WHEN inputs IS NULL THEN spec END AS spec" if "inputs" in have else "spec"
+    for r in store._query(f"SELECT variation_id, op, source, {inputs}, {spec}, finished_at FROM {VARIATIONS.name}"):
+        vid = r["variation_id"]
+        if wanted is not None and vid not in wanted:
+            continue
+        when = r.get("finished_at") or ""
+        if vid not in out or when >= out[vid][0]:
+            out[vid] = (when, r)
+    return {vid: {"op": r["op"], "source": r["source"],
+                  "inputs": json.loads(r["inputs"]) if r["inputs"] is not None else describe(json.loads(r["spec"] or "{}"))}
             for vid, (_, r) in out.items()}
