@@ -117,11 +117,11 @@ def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManag
         try:
             call = call_for(task.variation, task.seed)
         except Exception as e:
-            raise Stop(classify_exception(e, None, "load")) from None
+            raise Stop(_host_side(e, "load")) from None
         try:
             ref = _reference(call, declared)
         except Exception as e:
-            raise Stop(classify_exception(e, None, "reference")) from None
+            raise Stop(_host_side(e, "reference")) from None
     with phase("target"):
         got, census = _target(call, task, adapter)
     out: dict[str, Any] = {**census_fields(census), "contract": declared.name}
@@ -133,6 +133,15 @@ def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManag
     with phase("compare"):
         out.update(_verdict(call, ref, got, declared, task))
     return out
+
+
+def _host_side(e: BaseException, stage: str) -> dict[str, Any]:
+    """A failure before the target ran: the regenerated inputs or the CPU's (never the target's; memory it
+    could not get here is the harness's inputs, not a kernel's)."""
+    fields = classify_exception(e, None, stage)
+    if fields["outcome"] == "oom":
+        fields["outcome"] = "load_fail" if stage == "load" else "ref_fail"
+    return fields
 
 
 @dataclass
