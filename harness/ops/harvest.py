@@ -7,8 +7,9 @@ only counted. What it sees is what the op check sees on the target, one level be
 ops arrive decomposed, and an op's own sub-calls stay inside it.
 
 Two ways in: ``run --harvest`` records it inside a model's run (the pipeline's `recorder`: the reference's
-second run, the determinism check's, runs under it, and a plain run decides should the two ever differ;
-a cached reference side runs one more step for it), and ``ops harvest`` runs just the load and the step
+first step runs under it, a model's first step being the one that calls everything, lazily made caches
+included; should it ever differ from the determinism re-run, a plain step is the reference instead; a
+cached reference side runs one more step for it), and ``ops harvest`` runs just the load and the step
 (`harvest_model`), through the same pool, for a list's models.
 """
 
@@ -94,7 +95,7 @@ class Harvest(TorchDispatchMode):
 
     @property
     def recorded(self) -> bool:
-        """Whether it saw a step (the reference's second run; not when the reference side was cached)."""
+        """Whether it saw a step (the reference's first; not when the reference side was cached)."""
         return bool(self._calls)
 
     def result(self) -> dict[str, Any]:

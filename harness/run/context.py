@@ -89,7 +89,7 @@ class ModelRun:
     keep_cpu: bool = False  # the CPU model stays on the CPU (the target gets a copy)
     localizes: bool = False  # a drift is localized to a module (small models, eager, a mode that names modules)
     recorder: Any = None  # run --harvest: a dispatch mode recording the reference step's op calls
-    # (harness.ops.harvest.Harvest, handed in by the worker); the reference's second run runs under it
+    # (harness.ops.harvest.Harvest, handed in by the worker); the reference's first run runs under it
 
     @property
     def device(self) -> str:
