@@ -51,7 +51,7 @@ def recorded(func: torch._ops.OpOverload) -> bool:
 # and merged (`merge_gen`: the more demanding observation), so one model with near-zero activations at a
 # kernel does not hide a bug there.
 _KNOWN: dict[Any, tuple[str, dict[str, Any], int] | None] = {}
-OBSERVED = 3  # models whose values a process observes per signature (the first few are as good as all)
+OBSERVED = 2  # models whose values a process observes per signature (the first few are as good as all)
 _KNOWN_MAX = 20_000  # about 20 MB of signatures; a worker that sees more starts over
 
 
