@@ -19,6 +19,7 @@ STAGES: list[tuple[str, ...]] = [
     ("models",),
     ("analysis", "console"),
     ("run",),
+    ("ops",),
     ("report",),
     ("fleet",),
     ("bench",),

@@ -34,6 +34,7 @@ from harness.analysis.perfgate import PerfGate, format_gate, gate
 from harness.outcomes import NOT_THE_MODELS, severity
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
+from harness.results.variations import default_run
 from harness.speed import DEFAULT_THRESHOLD
 
 DEFAULT_DRIFT_FACTOR = 2.0
@@ -314,7 +315,7 @@ def resolve_runs(
     if night and base is None and head is None and Path(base_path).resolve() != Path(head_path).resolve():
         return _night(base_path), _night(head_path)
     with ResultStore(head_path, read_only=True) as hs:
-        head_id = head or hs.latest_run(has_results=True)
+        head_id = head or default_run(hs, ("models", "ops"))
         if head_id is None:
             raise StoreError(f"{head_path} contains no model results")
         head_df = hs.results(head_id)
@@ -330,7 +331,7 @@ def resolve_runs(
                                 named=bool(base and head))
             return (base_id, hs.results(base_id)), (head_id, head_df)
     with ResultStore(base_path, read_only=True) as bs:
-        base_id = base or bs.latest_run(has_results=True)
+        base_id = base or default_run(bs, ("models", "ops"))
         if base_id is None:
             raise StoreError(f"{base_path} contains no model results")
         _require_comparable((base_path, base_id, _identity(bs, base_id)), (head_path, head_id, head_run),

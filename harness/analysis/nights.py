@@ -30,6 +30,7 @@ from harness.analysis.perfbase import perf_path, perf_rows, read_perf, write_per
 from harness.analysis.perfgate import disturbance
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
+from harness.results.variations import run_kind
 
 
 def run_config(run: dict[str, Any]) -> Config:
@@ -37,12 +38,14 @@ def run_config(run: dict[str, Any]) -> Config:
     return Config(list_key(run["list_name"]), str(run["target"]), str(run["settings_json"]))
 
 
-def night_runs(store: ResultStore) -> list[dict[str, Any]]:
+def night_runs(store: ResultStore, kinds: tuple[str, ...] = ("models", "ops")) -> list[dict[str, Any]]:
     """The latest run with results per configuration, oldest first; each row of ``store.runs()`` gains
-    its ``config``."""
+    its ``config``. `kinds`: model runs and op runs (`harness.results.variations`: an op run gates like a
+    model run; a harvest run is no night's result)."""
     runs = store.runs()
     out: dict[Config, dict[str, Any]] = {}
-    for run in runs[runs.n_results > 0].to_dict("records"):  # newest first: keep the first seen
+    runs = runs[(runs.n_results > 0) & runs.list_name.map(run_kind).isin(kinds)] if not runs.empty else runs
+    for run in runs.to_dict("records"):  # newest first: keep the first seen
         out.setdefault(run_config(run), {**run, "config": run_config(run)})
     return sorted(out.values(), key=lambda r: (r["started_at"], r["run_id"]))
 

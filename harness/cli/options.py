@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
+from harness.cli.ops import cmd_ops
 from harness.cli.results import (
     cmd_baseline,
     cmd_diff,
@@ -113,6 +114,28 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     _backend_option(p)
 
 
+def _fleet_options(p: argparse.ArgumentParser, what: str) -> None:
+    """How a list's jobs (models, or op variations) run: workers, executor, shards, resume, the policy."""
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes (default: one per CPU core); with --executor ray: actors (default: one "
+                        "per device of the cluster)")
+    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
+                   help="local: worker processes on this host (default); ray: one actor per device of every node of "
+                        "a Ray cluster (pip install 'portharness[ray]')")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="with --executor ray: auto (the cluster `ray start` made on this host), HOST:PORT (its "
+                        "head), ray://HOST:PORT (Ray Client); default: a Ray instance of this host alone")
+    p.add_argument("--shard", default="1/1", help=f"run shard i of N (i/N) of the {what}")
+    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
+    p.add_argument("--resume", action="store_true", help="continue the latest unfinished matching run")
+    p.add_argument("--limit", type=int, default=0, help=f"only the first N {what} (after sharding)")
+    p.add_argument("--retries", type=int, default=1, help="retries for crashes/timeouts/device errors")
+    p.add_argument("--spare", type=int, default=0, help="devices kept idle as hot spares")
+    p.add_argument("--quarantine-after", type=int, default=2, help="device strikes before quarantine")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+
+
 def _ref_cache_options(p: argparse.ArgumentParser, default: str) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--ref-cache", default=None, metavar="DIR",
@@ -181,37 +204,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a model list on a target, recording every outcome")
     p.add_argument("--list", default="tiny-zoo", help="model list name (model_lists/NAME.csv) or path")
     _target_options(p)
-    p.add_argument("--jobs", type=int, default=None,
-                   help="worker processes (default: one per CPU core); with --executor ray: actors (default: one "
-                        "per device of the cluster)")
-    p.add_argument("--executor", default="local", choices=list(EXECUTORS),
-                   help="local: worker processes on this host (default); ray: one actor per device of every node of "
-                        "a Ray cluster (pip install 'portharness[ray]')")
-    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="with --executor ray: auto (the cluster `ray start` made on this host), HOST:PORT (its "
-                        "head), ray://HOST:PORT (Ray Client); default: a Ray instance of this host alone")
-    p.add_argument("--shard", default="1/1", help="run shard i of N (i/N)")
-    p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
-    p.add_argument("--resume", action="store_true", help="continue the latest unfinished matching run")
-    p.add_argument("--limit", type=int, default=0, help="only the first N models (after sharding)")
+    _fleet_options(p, "models")
     p.add_argument("--only", default="", help="comma-separated model ids or architectures to run")
-    p.add_argument("--retries", type=int, default=1, help="retries for crashes/timeouts/device errors")
     p.add_argument("--rerun-flaky", type=int, default=0, metavar="N",
                    help="re-run each model whose attempts disagreed N more times; flaky only if it really flips")
-    p.add_argument("--spare", type=int, default=0, help="devices kept idle as hot spares")
-    p.add_argument("--quarantine-after", type=int, default=2, help="device strikes before quarantine")
     p.add_argument("--report", default=None, help="build the HTML report into this directory afterwards")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.add_argument("--harvest", action="store_true",
+                   help="also record each model's op calls as variations (for `portharness ops`): the reference step "
+                        "once more on the CPU, under a recording dispatch mode")
     _ref_cache_options(p, "default: ref-cache/ next to --db")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("ops", help="the kernel worklist: every op variation the list's models use, run alone on the "
+                       "target and judged against the CPU; ops ranked by the models they block or explain")
+    p.add_argument("action", nargs="?", default="run", choices=["run", "harvest"],
+                   help="run (default): harvest what is missing, then run the variations; harvest: only record "
+                        "the list's op variations (the load and the reference step on the CPU)")
+    p.add_argument("--list", default="tiny-zoo", help="model list name (model_lists/NAME.csv) or path")
+    _target_options(p)
+    p.set_defaults(timeout=60.0)  # one kernel: a minute is a hang
+    _fleet_options(p, "variations")
+    p.add_argument("--source", default="models", choices=["models", "opinfo"],
+                   help="models (default): the variations the list's models call; opinfo: PyTorch's OpInfo samples "
+                        "of the ops they call (empty, non-contiguous, broadcast, extreme values, integer dtypes)")
+    p.add_argument("--opinfo-samples", type=int, default=8, metavar="N",
+                   help="--source opinfo: samples per OpInfo and dtype (default 8)")
+    p.add_argument("--only", default="", metavar="OPS",
+                   help="comma-separated ops (gelu, aten::sort.stable, aten::addmm.default) or variation ids to run")
+    p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("matrix", help="models x (target, settings) outcome matrix, ran %% and matched %%")
     p.add_argument("--db", default=DEFAULT_DB, help=f"result DB (default {DEFAULT_DB})")
     p.add_argument("--run", default=None, help="run id (default: latest)")
     p.add_argument("--by", choices=["arch", "task", "modality"], default=None,
                    help="also print ran %% and numerics matched %% by this")
-    p.add_argument("--ops", action="store_true", help="rank missing ops by models they would unblock")
+    p.add_argument("--ops", action="store_true",
+                   help="rank missing ops by models they would unblock, and the op worklist of this configuration's "
+                        "op run (portharness ops): each failing variation with the models it blocks or explains")
+    p.add_argument("--ops-limit", type=int, default=10, metavar="N", help="with --ops: ops in 'what to fix first'")
     p.add_argument("--opinfo", default=None, help="OpInfo conformance CSV to join into the op ranking")
     p.add_argument("--perf", action="store_true",
                    help="print the speed of every model timed with --perf instead of the outcome matrix (and export "

@@ -34,7 +34,15 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         print_frame(f"ran % and numerics matched % by {args.by} (pass % = fp32-exact)",
                     rates.drop(columns=empty).rename(columns=RATE_LABELS))
     if args.ops:
+        from harness.analysis.worklist import format_worklist, load
+
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
+        work = load(args.db, rid)  # this configuration's op run, joined with these rows
+        print("\n" + format_worklist(work, limit=args.ops_limit))
+        if not work.empty:
+            print_frame("op worklist (per op: failing variations; models blocked now, drifts explained; per the "
+                        "harvest: models that would run, models calling a failing variation)",
+                        work.ranking[work.ranking["failing"] > 0].drop(columns=["suggestion"]))
     speed = mx.perf_summary(df)
     if not speed.empty:
         print_frame("speed (--perf): geometric means per configuration", speed)

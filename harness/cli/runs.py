@@ -199,7 +199,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             else max(1, os.cpu_count() or 1))
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
-                         rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address)
+                         rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address,
+                         harvest=args.harvest)
     # --db can take rows (a regular file, ours, undamaged, with a schema we can update, on writable storage,
     # or a new file we can create), --report can be written, the caches kept: checked before the banner and any
     # write, and before a Ray instance is started for the fleet

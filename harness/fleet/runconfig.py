@@ -42,6 +42,7 @@ class RunConfig:
     ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
     perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
     perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.perf.DEFAULT_BUDGET_S)
+    harvest: bool = False  # record each model's op calls as variations (run --harvest); not part of the run's identity
 
     @property
     def budgets(self) -> Budgets:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
@@ -29,8 +30,10 @@ from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.runconfig import RunConfig, compile_cache_root
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
+from harness.ops.signature import merge_gens
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
+from harness.results.variations import record_harvest
 from harness.run.attribution import CAP_TOO_SMALL
 from harness.run.compiled import cache_dir
 from harness.run.pipeline import Task
@@ -82,9 +85,13 @@ def run_models(
     shard_spec: str = "1/1",
     resume: bool = False,
     argv: str = "",
+    kind: str = "model",
+    variations: Mapping[str, dict] | None = None,
 ) -> RunSummary:
     """Run every entry on the target and record one row each in the store at `db_path`.
 
+    `kind` is what each job is (`Task.kind`): a model; a model's harvest; an op variation, whose
+    signature `variations` holds by entry id. Every kind goes through the same pool, policy and store.
     Everything that can be wrong with the configuration or the target is found before the DB is opened,
     so bad input leaves it as it was."""
     executor = executor_for(config.executor)
@@ -93,7 +100,7 @@ def run_models(
         shard(entries, shard_spec)  # validates the spec
         store = ResultStore(db_path)
         try:
-            return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv).run()
+            return _Run(entries, config, store, fleet, list_name, shard_spec, resume, argv, kind, variations).run()
         finally:
             store.close()
     finally:
@@ -115,8 +122,12 @@ class WorkerStartupError(ExecutorError):
 
 
 class _Run:
-    def __init__(self, entries, config, store, fleet, list_name, shard_spec, resume, argv) -> None:
+    def __init__(self, entries, config, store, fleet, list_name, shard_spec, resume, argv, kind="model",
+                 variations=None) -> None:
         self.cfg: RunConfig = config
+        self.kind = kind
+        self.variations: Mapping[str, dict] = variations or {}
+        self.signatures: dict[str, dict] = {}  # harvested variations written so far, their observations merged
         self.store: ResultStore = store
         self.fleet: policy.Fleet = fleet
         settings = dict(config.settings)
@@ -190,9 +201,12 @@ class _Run:
     def _write(self, job: policy.Job, m: Measurement, outcome: str) -> None:
         e = self.entries[job.id]
         first_rerun = self.rerun_from.get(job.id, len(job.attempts))
+        if m.harvest.get("uses") is not None:  # the op calls it recorded go to the op tables, not into the row
+            record_harvest(self.store, self.run_id, e.id, self.cfg.settings, m.harvest, self.signatures, merge_gens)
         self.store.record(
             ResultRow.from_measurement(
-                m, model_id=e.id, run_id=self.run_id, target=self.cfg.target, settings=dict(self.cfg.settings),
+                m, model_id=e.id, harvest={} if "uses" in m.harvest else m.harvest, run_id=self.run_id,
+                target=self.cfg.target, settings=dict(self.cfg.settings),
                 outcome=outcome, arch=e.arch, task=e.task, modality=e.modality,
                 attempts=[{**asdict(a), **({"rerun": True} if i >= first_rerun else {})}
                           for i, a in enumerate(job.attempts)],
@@ -377,7 +391,8 @@ class _Run:
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
                     perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
-                    quiet_lock=self.quiet_lock, quiet_wait_s=min(30.0, self.cfg.timeout_s / 4))
+                    quiet_lock=self.quiet_lock, quiet_wait_s=min(30.0, self.cfg.timeout_s / 4),
+                    kind=self.kind, variation=dict(self.variations.get(job.id, {})), harvest=self.cfg.harvest)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

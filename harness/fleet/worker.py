@@ -60,7 +60,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
             quiet.enter(name)
 
     try:
-        m = run_one(task, on_phase)
+        m = _dispatch(task, on_phase)
     except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
         fields = classify_exception(e, adapter_for(device), stage=current[0])  # a device fault is still the device's
         m = Measurement(model_id=model_id, device=device, **{
@@ -73,6 +73,23 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
         m.perf["quiet_wait_s"] = round(quiet.job_wait_s, 3)  # the price of the host to itself, for perf_rates
     m.host = host or socket.gethostname()
     return m
+
+
+def _dispatch(task: Task, on_phase: Callable[[str], None]) -> Measurement:
+    """The job by its kind: a model's run, a model's harvest, or one op variation (`Task.kind`)."""
+    if task.kind == "variation":
+        from harness.ops.variation import run_variation
+
+        return run_variation(task, on_phase)
+    if task.kind == "harvest":
+        from harness.ops.harvest import harvest_model
+
+        return harvest_model(task, on_phase)
+    if task.harvest:
+        from harness.ops.harvest import Harvest
+
+        return run_one(task, on_phase, recorder=Harvest)
+    return run_one(task, on_phase)
 
 
 _quiet: dict[str, QuietLock] = {}  # this worker's side of its run's lock, opened once

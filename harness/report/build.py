@@ -24,6 +24,8 @@ from harness.analysis.fingerprint import FailureGroup, group_failures
 from harness.analysis.matrix import op_coverage, op_support, outcome_counts, with_config
 from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
+from harness.analysis.worklist import Worklist
+from harness.analysis.worklist import load as load_worklist
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.collectives import collective_faults_view, collectives_view
 from harness.report.links import Command, row_links
@@ -43,9 +45,11 @@ from harness.report.views import (
     run_view,
     safe_name,
 )
+from harness.report.worklist import OP_DIR, TOP, op_pages, worklist_view
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
 from harness.results.store import ResultStore
+from harness.results.variations import default_run
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
@@ -95,9 +99,9 @@ def _load(
     nightly DB with several settings is one site: a matrix column per setting, a row per setting on
     each model page; the header names the first configuration's run."""
     with ResultStore(db_path, read_only=True) as store:
-        if night and run_id is None and len(nights := night_runs(store)) > 1:
+        if night and run_id is None and len(nights := night_runs(store, ("models",))) > 1:
             return _load_night(store, [r["run_id"] for r in nights], base_db)
-        rid = run_id or store.latest_run(has_results=True) or store.latest_run()
+        rid = run_id or default_run(store) or store.latest_run()  # a model run: op runs have their own pages
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
         df = with_config(store.results(rid))  # raises StoreError for an unknown run id
@@ -236,7 +240,7 @@ def _env() -> jinja2.Environment:
 
 # Every name the site has at its top level: a rebuild removes those the new site lacks (a diff page
 # from a build that had a base), and leaves anything else a user put there alone.
-SITE_NAMES = (MARKER, "assets", "models", "repro", "index.html", "matrix.html", "ops.html", "drift.html",
+SITE_NAMES = (MARKER, "assets", "models", "repro", OP_DIR, "index.html", "matrix.html", "ops.html", "drift.html",
               "collectives.html", FAULTS_PAGE, "diff.html", "trend.html")
 
 
@@ -314,10 +318,11 @@ def _common(
 
 
 def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResult | None, hrefs: dict[str, str],
-                  cov: pd.DataFrame, groups: list[FailureGroup]) -> None:
+                  cov: pd.DataFrame, groups: list[FailureGroup], work: Worklist | None = None) -> None:
     site.render("index.html", "index.html",
                 **summary_view(data.df, data.runs, configs, res, cov=cov, groups=groups, hrefs=hrefs),
-                speed=speed_view(data.df, hrefs), perf_regressions=len(res.perf.regressions) if res is not None else 0)
+                speed=speed_view(data.df, hrefs), perf_regressions=len(res.perf.regressions) if res is not None else 0,
+                work=worklist_view(work, hrefs, top=TOP))
 
 
 def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dict[str, str]) -> None:
@@ -329,7 +334,8 @@ def _render_matrix(site: _Site, df: pd.DataFrame, configs: list[str], hrefs: dic
 
 
 def _render_ops(
-    site: _Site, df: pd.DataFrame, cov: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str]
+    site: _Site, df: pd.DataFrame, cov: pd.DataFrame, opinfo_csv: str | os.PathLike | None, hrefs: dict[str, str],
+    work: Worklist | None = None,
 ) -> None:
     site.render(
         "ops.html",
@@ -339,6 +345,7 @@ def _render_ops(
         has_opinfo=opinfo_csv is not None,
         opinfo_name=Path(opinfo_csv).name if opinfo_csv is not None else "",
         hrefs=hrefs,
+        work=worklist_view(work, hrefs),
     )
 
 
@@ -437,15 +444,29 @@ def build_report(
     if history is not None and not Path(history).exists():  # anything else: read_history says what
         raise FileNotFoundError(f"history file {history} does not exist")
     entries = read_history(history) if history is not None else None  # read (and checked) before writing
+    work = load_worklist(db_path, data.run_id)  # the op run of the shown configuration, if any
     check_out(out)
     with files.replaced_dir(out, stale=SITE_NAMES) as stage:  # the old site stays whole if this fails
         _prepare_out(out, stage)
-        _build(env, stage, data, db_path, entries, opinfo_csv, command)
+        _build(env, stage, data, db_path, entries, opinfo_csv, command, work)
     return out / "index.html"
 
 
+def _render_worklist(site: _Site, work: Worklist | None, hrefs: dict[str, str]) -> None:
+    """One page per op overload of the op run, with its variations."""
+    pages = op_pages(work, hrefs, {})
+    if not pages:
+        return
+    assert work is not None
+    links = _copy_repros(site, [r for r in work.variations.to_dict("records") if r.get("repro_path")])
+    (site.out / OP_DIR).mkdir(exist_ok=True)
+    for page in op_pages(work, hrefs, links):
+        site.render("op.html", page["file"], root="../", active="ops.html", page=page)
+
+
 def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | os.PathLike,
-           entries: list[dict[str, Any]] | None, opinfo_csv: str | os.PathLike | None, command: Command | None) -> None:
+           entries: list[dict[str, Any]] | None, opinfo_csv: str | os.PathLike | None, command: Command | None,
+           work: Worklist | None = None) -> None:
     df, base = data.df, data.base
     site = _Site(env, stage, _common(data, db_path, has_diff=base is not None, has_trend=entries is not None))
     configs = sorted(df["config"].unique()) if not df.empty else []
@@ -458,9 +479,10 @@ def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | 
     res = diff_runs(base[1], df, base_run=base[0], head_run=data.run_id) if base is not None else None
 
     def site_pages() -> None:
-        _render_index(site, data, configs, res, hrefs, cov, groups)
+        _render_index(site, data, configs, res, hrefs, cov, groups, work)
         _render_matrix(site, df, configs, hrefs)
-        _render_ops(site, df, cov, opinfo_csv, hrefs)
+        _render_ops(site, df, cov, opinfo_csv, hrefs, work)
+        _render_worklist(site, work, hrefs)
         site.render("drift.html", "drift.html", **drift_view(df, hrefs))
         _render_collectives(site, data)
         _render_collective_faults(site, data)

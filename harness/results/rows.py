@@ -25,10 +25,11 @@ from typing import Any
 # cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
 # the cache has {"s": 0, "cached": true}). `confirm`: a pass within the declared precision, run again at the
 # device's highest; `eager`: a compiled row that did not pass, run again eagerly; `recompile`: compiled again in a
-# fresh compile cache, where the run's own may have caused the failure;
+# fresh compile cache, where the run's own may have caused the failure; `harvest`: the reference step once more
+# on the CPU, its op calls recorded as variations (`run --harvest`, `ops harvest`);
 # `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
-PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "target", "compare", "localize", "confirm",
-          "eager", "recompile", "perf")
+PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "harvest", "target", "compare", "localize",
+          "confirm", "eager", "recompile", "perf")
 COMPILE_PHASE = "compile"
 # What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
 PHASE_DOING = {
@@ -39,6 +40,7 @@ PHASE_DOING = {
     "oracle": "computing the fp64 oracle (a float64 copy of the model: the slowest reference phase)",
     "expected": "running the declared-precision expected reference",
     "ref_store": "storing the reference side in the reference cache",
+    "harvest": "recording the reference step's op calls as variations",
     "target": "running on the target",
     "compare": "comparing the outputs",
     "localize": "localizing the drift module by module",
@@ -145,6 +147,10 @@ class Measurement:
     ref_key: str = ""  # its reference-cache key
     worker_output: str = ""  # what the worker printed (stdout and stderr, native code's too) while it ran the
     # model, the tail (harness.fleet.capture): warnings and a fatal signal's report, kept off the terminal
+    # run --harvest / ops harvest (harness.ops.harvest): the op variations the reference step called,
+    # {"uses": {variation id: calls}, "specs": {variation id: signature}}; the runner moves them into the
+    # `op_uses` and `variations` tables (`OpUseRow`, `VariationRow`), so a stored row holds none
+    harvest: dict = field(default_factory=dict)
 
     # --compile (harness.run.compiled): what compiling made and cost, apart from the run's seconds
     compile_stage: str = ""  # compile_fail: Dynamo trace, AOT/functionalization, Inductor graph passes or backend
@@ -243,6 +249,34 @@ class RunInfo:
     transformers_version: str = ""
     harness_version: str = ""
     host: str = ""
+
+
+@dataclass
+class VariationRow:
+    """One op variation (an overload with one input signature, `harness.ops.signature`), as the run that found
+    it recorded it (a `variations` row): what a worker regenerates its inputs from."""
+
+    run_id: str
+    variation_id: str  # aten::addmm.default#3fa2c0d1e9
+    op: str  # the op as backends and model rows name it: aten::addmm, aten::sort.stable
+    spec: dict  # the signature and what was seen of the values; OpInfo's: the sample's name, dtype and index
+    source: str = "models"  # models: harvested from a list's models; opinfo: one of PyTorch's OpInfo samples
+    inputs: list = field(default_factory=list)  # "float32[2, 16, 64]" per tensor argument (views read this, not spec)
+    finished_at: str = ""
+
+
+@dataclass
+class OpUseRow:
+    """The variations one model's reference step called and how often (an `op_uses` row): the harvest of
+    one model under the settings that shape its step (`harvest`: mode, dtype, attention, seed ...)."""
+
+    run_id: str
+    model_id: str
+    harvest: str  # canonical JSON of those settings (harness.results.variations.harvest_identity)
+    uses: dict  # variation id -> calls
+    n_variations: int = 0
+    calls: int = 0
+    finished_at: str = ""
 
 
 @dataclass

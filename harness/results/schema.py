@@ -15,8 +15,10 @@ from harness.results.dbfile import APP_NAME, SCHEMA_VERSION, StoreError
 from harness.results.rows import (
     CollectiveFaultRow,
     CollectiveRow,
+    OpUseRow,
     ResultRow,
     RunInfo,
+    VariationRow,
     column_types,
     field_names,
     utc_now,
@@ -47,7 +49,9 @@ COLLECTIVE_FAULTS = Table(
     CollectiveFaultRow,
     ("run_id", "target", "backend", "world_size", "setting", "scenario"),
 )
-TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS)}
+VARIATIONS = Table("variations", VariationRow, ("run_id", "variation_id"))
+OP_USES = Table("op_uses", OpUseRow, ("run_id", "model_id"))
+TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS, VARIATIONS, OP_USES)}
 SQL_TYPES = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
 RUN_COLUMNS = [*field_names(RunInfo), "finished_at"]
 RUN_REQUIRED = ("run_id", "list_name", "target", "settings", "started_at")  # NOT NULL without a default
@@ -80,6 +84,8 @@ _SCHEMA = [
     "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
     create_sql(COLLECTIVES),
     create_sql(COLLECTIVE_FAULTS),
+    create_sql(VARIATIONS),
+    create_sql(OP_USES),
 ]
 
 

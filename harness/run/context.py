@@ -38,6 +38,10 @@ class Task:
     compile_cache: str = ""  # --compile: Inductor's cache directory ("" = torch's default)
     quiet_lock: str = ""  # --perf beside other workers: the run's lock file (its worker takes it)
     quiet_wait_s: float = 30.0  # the longest wait for it
+    kind: str = "model"  # what the job is: a model's run; "harvest": its reference step, op calls recorded
+    # (harness.ops.harvest); "variation": one op variation on the target (harness.ops.variation)
+    variation: dict = field(default_factory=dict)  # kind "variation": its signature (entry["id"] is its id)
+    harvest: bool = False  # kind "model": also record the reference step's op calls (run --harvest)
 
 
 class Stop(Exception):
@@ -85,6 +89,8 @@ class ModelRun:
     keep_cpu: bool = False  # the CPU model stays on the CPU (the target gets a copy)
     small: bool = True  # a copy of the model fits beside it (harness.run.oracle.COPY_MAX_PARAMS)
     localizes: bool = False  # a drift is localized to a module (small models, eager, a mode that names modules)
+    recorder: Any = None  # run --harvest: a dispatch mode recording the reference step's op calls
+    # (harness.ops.harvest.Harvest, handed in by the worker); the reference's first run runs under it
 
     @property
     def device(self) -> str:

@@ -52,9 +52,12 @@ OP_SAMPLE = 2  # calls judged per op signature when the op check samples
 __all__ = ["Task", "run_one"]
 
 
-def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measurement:
+def run_one(task: Task, on_phase: Callable[[str], None] | None = None,
+            recorder: Callable[[], Any] | None = None) -> Measurement:
     """Run one model end to end; never raises for model problems. `on_phase(name)` hears each phase
-    start (the worker tells the supervisor, whose time budget differs for loading)."""
+    start (the worker tells the supervisor, whose time budget differs for loading). `recorder()` makes a
+    dispatch mode that records the reference step's op calls into the row's `harvest` (run --harvest:
+    `harness.ops.harvest.Harvest`, a later stage, handed in by the worker)."""
     entry = ModelEntry(**task.entry) if isinstance(task.entry, dict) else task.entry
     tol = Tolerance(
         tol=entry.atol if entry.atol is not None else Tolerance.tol,
@@ -63,7 +66,7 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measur
     )
     t_start = time.perf_counter()
     with PhaseClock(on_phase) as clock:
-        fields = _pipeline(entry, task, tol, clock)
+        fields = _pipeline(entry, task, tol, clock, recorder)
     return Measurement(
         model_id=entry.id,
         device=task.target,
@@ -78,11 +81,12 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None) -> Measur
     )
 
 
-def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) -> dict[str, Any]:
+def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock,
+              recorder: Callable[[], Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     after: list[Callable[[], dict[str, Any]]] = []
     try:
-        _phases(entry, task, tol, clock, out, after)
+        _phases(entry, task, tol, clock, out, after, recorder)
     except Stop as stop:
         return {**out, **stop.fields}
     for timing in after:  # speed, once the verdict is complete
@@ -92,7 +96,7 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock) 
 
 
 def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any],
-            after: list[Callable[[], dict[str, Any]]]) -> None:
+            after: list[Callable[[], dict[str, Any]]], recorder: Callable[[], Any] | None = None) -> None:
     """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
     the verdict goes into `after`."""
     adapter = adapter_for(task.target)
@@ -107,9 +111,12 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     if declared.amp is not None:
         tol = replace(tol, amp_eps=torch.finfo(declared.amp).eps)
     run = ModelRun(entry, task, mode, adapter, clock, loaded, inputs, declared, tol)
+    run.recorder = recorder() if recorder is not None else None
     run.side = side = reference_side(run, RefCache(task.ref_cache) if task.ref_cache else None)
     out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
     out.update(side.fields)
+    if run.recorder is not None:
+        _harvest(run, out)
 
     # A small model keeps its CPU copy for module-level localization (and train mode's replayed updates);
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
@@ -139,6 +146,21 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
 def _own(fields: dict[str, Any]) -> dict[str, Any]:
     """A follow-up run's row fields, without the first run's bookkeeping (its timings stay the row's)."""
     return {k: v for k, v in fields.items() if not k.startswith("_")}
+
+
+def _harvest(run: ModelRun, out: dict[str, Any]) -> None:
+    """The op calls the reference step made (recorded in its second run; with a cached reference side, in
+    one more step now) into the row's `harvest`: diagnostics for the op worklist, never worth a verdict."""
+    assert run.side is not None
+    with run.clock.phase("harvest"):
+        try:
+            if not run.recorder.recorded:
+                with run.recorder:
+                    run.side.plan.step(run.model, run.side.plan.inputs)
+            out["harvest"] = run.recorder.result()
+        except Exception as e:
+            out["harvest"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    run.recorder = None
 
 
 def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str, Any]]] | None = None

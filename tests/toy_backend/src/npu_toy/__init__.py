@@ -26,7 +26,8 @@ As rude as real hardware, each behaviour behind an environment variable (read wh
   run 'aten::X' with arguments from the 'CPU' backend"), ``bare`` ("op add is not implemented"),
   ``dtype`` ("kernel mul does not support dtype 'Int'"), ``kernel`` ("aten::histc: \"histc_cpu\" not
   implemented for 'Int'": the op, then its kernel's words), or ``shape`` (computes, but returns the
-  second and later outputs of a multi-output op one dimension short: a wrong-shape kernel);
+  second and later outputs of a multi-output op one dimension short: a wrong-shape kernel); or, rude,
+  ``segv`` / ``hang``: that one kernel kills the process with SIGSEGV / sleeps ``TOY_HANG_S`` seconds;
 - ``TOY_FAULT=segv`` / ``hang``: every compute kernel kills the process with SIGSEGV / sleeps
   ``TOY_HANG_S`` seconds (an hour by default): a dying or hanging device;
 - ``TOY_MEM_MB=N``: the device allocator holds N MiB and says "can't allocate memory" beyond;
@@ -67,7 +68,7 @@ _registered = False
 _late: list[BaseException] = []  # the first failed kernel's error, raised at the next synchronizing call
 _local: Executor | None = None
 _client: Any = None
-FORMS = ("cannot", "remote", "bare", "dtype", "kernel", "shape")
+FORMS = ("cannot", "remote", "bare", "dtype", "kernel", "shape", "segv", "hang")
 _SCALAR_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
                  torch.int32: "Int", torch.int64: "Long", torch.bool: "Bool", torch.int8: "Char", torch.uint8: "Byte"}
 
@@ -215,8 +216,12 @@ def _host(op, inplace: bool = False):
         dev = _device()
         _launch()
         form = _broken(op._schema.name.removeprefix("aten::"))
+        if form == "segv":  # this kernel alone kills the process, as a driver bug in one kernel does
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif form == "hang":
+            time.sleep(float(os.environ.get("TOY_HANG_S", "3600")))
         try:
-            if form and form != "shape":
+            if form and form not in ("shape", "hang"):
                 raise _broken_error(op, form, args)
             out = dev.run(str(op), tree_map(_enc, args), tree_map(_enc, kwargs), inplace)
         except (OSError, MemoryError):
