@@ -61,8 +61,9 @@ def cmd_ops(args: argparse.Namespace) -> int:
     from harness.fleet.executor import executor_for
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.ops import jobs
-    from harness.results.store import ResultStore, check_writable
+    from harness.results.store import ResultStore
     from harness.results.variations import harvested, op_settings, ops_list, record_variations, specs
+    from harness.results.writable import check_writable
 
     entries = _entries(args)
     executor = executor_for(args.executor)
