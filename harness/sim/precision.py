@@ -8,7 +8,7 @@ rounded to bf16, products are accumulated in fp32. Models "run" but drift. `sim`
   then computed and accumulated in fp32. Biases and every other op stay fp32.
 - ``highest``: true fp32, bit-identical to the CPU reference.
 
-The rounding happens in sim's native dispatch path (``csrc/dispatch.cpp``). A parameter's rounded copy
+The rounding happens in sim's native dispatch path (``csrc/rounding.cpp``). A parameter's rounded copy
 (and its views', such as ``weight.t()``) is kept until anything writes the parameter's storage or it
 dies, bounded by ``PORTHARNESS_SIM_ROUND_CACHE_MB`` (default 128); `torch.sim.empty_cache()` drops it.
 
