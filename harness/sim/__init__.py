@@ -62,22 +62,19 @@ about the harness runner.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import torch
 
-from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
-from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from . import device as _device_mod
+from .cpu_fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
+from .fault_injection import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
 from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
-from .precision import get_precision, precision, set_precision
+from .precision_mode import get_precision, precision, set_precision
 from .slowdown import get_slow_ops, set_slow_ops, slow_ops
-
-# Submodules are fetched this way because the context managers re-exported above shadow their names.
-_device_mod = importlib.import_module(".device", __package__)
 
 __all__ = [
     "SimDeviceError",
@@ -147,10 +144,12 @@ def _register() -> None:
     # call below would otherwise install) reports a single device. See native.py.
     _device_mod._ext.register()
     _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
-    importlib.import_module(".autocast", __package__).register()
-    importlib.import_module(".numerics", __package__).plant_from_env()
+    from . import autocast, numerics
+
+    autocast.register()
+    numerics.plant_from_env()
     if os.environ.get("PORTHARNESS_SIM_COMPILER_BUG"):  # a compiler bug: Inductor must know before compiling
-        importlib.import_module(".inductor", __package__)
+        from . import inductor  # noqa: F401
     common = sys.modules.get("torch._inductor.codegen.common")
     if common is not None:  # Inductor registered its devices before sim existed: it asks again next compile
         common.init_backend_registration.cache_clear()

@@ -16,7 +16,6 @@ Not imported by ``harness.sim``: it needs ``torch.testing._internal``, which nee
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-_opset = importlib.import_module(".opset", __package__)
-_precision = importlib.import_module(".precision", __package__)
+from . import opset as _opset
+from . import precision_mode as _precision
 
 # OpInfo id -> why it is not compared at all.
 EXCLUDED: dict[str, str] = {
