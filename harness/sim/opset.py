@@ -51,6 +51,8 @@ ALWAYS_ALLOWED = frozenset(
         "aten::set_.source_Storage_storage_offset",
         "aten::set_.source_Storage",
         "aten::resize_",
+        "aten::_resize_output_",  # sizes an out= tensor (torch's refs, out= wrappers)
+        "aten::_resize_output",
         "aten::lift_fresh_copy",  # torch.tensor(..., device=...) inside a compiled graph
     }
 )

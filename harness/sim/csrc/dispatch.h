@@ -42,9 +42,15 @@ struct OpInfo {
   // The op has a device-generic composite (CompositeExplicitAutograd): outside the profile it runs that,
   // as on a backend that lacks the op's own kernel. (The NonFunctional composites of structured ops are
   // their functional forms written over out=: a backend implements the functional op, as profiles say.)
+  // For the few ops sim runs on the CPU's kernel over a CompositeImplicitAutograd one (silu_backward),
+  // that decomposition is the composite.
   bool composite = false;
+  c10::DispatchKey composite_key = c10::DispatchKey::CompositeExplicitAutograd;
   bool cross_ok = false;        // moves data between devices
   bool cpu_indices_ok = false;  // index tensors may stay on the host, as CUDA allows
+  // Takes host-side (CPU) arguments next to device ones: runs its device-generic composite on the sim
+  // tensors themselves, as CUDA does, so its device checks and its outputs' devices are CUDA's.
+  bool device_composite = false;
   bool histc = false;
 };
 
@@ -53,6 +59,8 @@ OpInfo& info_of(const c10::OperatorHandle& op);
 // ---- switches (switches.cpp) ---------------------------------------------------------------------
 // The backend's missing-kernel error for `info`: outside the profile, or no CPU kernel for these args.
 [[noreturn]] void unsupported(const OpInfo& info, bool missing_host_kernel);
+// The same error with another reason after the standard text.
+[[noreturn]] void not_implemented(const OpInfo& info, const std::string& why);
 // Every sim kernel starts here: the trace, then the profile (or the fallback counter). False: the op is
 // outside the profile and has a composite to run instead.
 bool enter(OpInfo& info);
@@ -67,7 +75,9 @@ LaunchHook launch_hook();
 extern const c10::DispatchKeySet kSimKeys;
 bool is_sim(const at::Tensor& t);
 void release_ref(void* ctx);
-at::Tensor alias_of(const at::Tensor& t);
+at::Tensor alias_of(const at::Tensor& t);  // alias_on(t, host_storage(t))
+c10::Storage host_storage(const at::Tensor& t);
+at::Tensor alias_on(const at::Tensor& t, c10::Storage host);
 c10::Storage adopt_storage(const c10::Storage& cpu, int dev);
 at::Tensor on_storage(c10::Storage storage, const at::Tensor& like, c10::DispatchKeySet keys, bool view);
 void sync_back(const at::Tensor& sim, const at::Tensor& alias, c10::StorageImpl* made, int dev);
@@ -77,6 +87,11 @@ at::Tensor round_bf16(const at::Tensor& x);
 at::Tensor rounded_operand(const at::Tensor& sim, const at::Tensor& host);
 void drop_rounded(c10::StorageImpl* s);
 void clear_rounded();
+
+// ---- device APIs (hooks.cpp) ------------------------------------------------------------------------
+// The CPU generator a CPU kernel draws from for a Generator? argument on sim:dev.
+at::Generator host_generator(const std::optional<at::Generator>& g, int dev);
+void register_hooks();
 
 // ---- kernels (kernel.cpp, native_kernels.cpp) -------------------------------------------------------
 void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);

@@ -6,18 +6,11 @@
 #include "dispatch.h"
 
 #include <c10/util/SmallVector.h>
-#include <ATen/CPUGeneratorImpl.h>
-
-#include <array>
-#include <mutex>
 
 namespace sim::detail {
 namespace {
 
 using c10::IValue;
-
-std::mutex generator_mutex;
-std::array<at::Generator, kMaxDevices> generators;
 
 struct Converted {
   size_t pos;  // stack position of the argument
@@ -53,12 +46,28 @@ struct Call {
     }
   }
 
-  // `t` for the CPU kernel: an alias for a sim tensor, itself otherwise.
+  // `t` for the CPU kernel: an alias for a sim tensor, itself otherwise. Within a call one sim tensor has
+  // one alias and one sim storage one host storage, so the CPU kernel's overlap checks (an out= that is
+  // an input, or overlaps one) see what they would see on the CPU, and refuse what the CPU refuses.
   at::Tensor convert(const at::Tensor& t, size_t pos, bool written, bool host_indices) {
     if (!t.defined()) return t;
     if (is_sim(t)) {
       see_sim(t);
-      at::Tensor a = alias_of(t);
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+      at::Tensor a;
+      for (const Converted& c : converted) {
+        if (c.sim.unsafeGetTensorImpl() == impl) {
+          a = c.alias;
+          break;
+        }
+      }
+      for (size_t k = 0; !a.defined() && k < converted.size(); ++k) {
+        if (converted[k].sim.storage().unsafeGetStorageImpl() == storage) {
+          a = alias_on(t, converted[k].alias.storage());
+        }
+      }
+      if (!a.defined()) a = alias_of(t);
       converted.push_back({pos, t, a, a.storage().unsafeGetStorageImpl(), written});
       return a;
     }
@@ -66,6 +75,19 @@ struct Call {
     return t;
   }
 };
+
+// The op's device-generic composite on the sim tensors themselves. A kernel it reaches through a
+// DispatchStub that has none for sim is the op missing on this backend (not an internal assert).
+void run_composite(const c10::OperatorHandle& op, const OpInfo& info, torch::jit::Stack* stack) {
+  try {
+    op.callBoxedForDispatchKey(info.composite_key, *stack);
+  } catch (const c10::Error& e) {
+    if (e.msg().find("DispatchStub: missing kernel for") != std::string::npos) {
+      not_implemented(info, "Its device-generic composite reaches a kernel (a DispatchStub) that sim lacks.");
+    }
+    throw;
+  }
+}
 
 }  // namespace
 
@@ -76,8 +98,8 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto entered = timing ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   const c10::FunctionSchema& schema = op.schema();
   OpInfo& info = info_of(op);
-  if (!enter(info)) {
-    op.callBoxedForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd, *stack);
+  if (!enter(info) || info.device_composite) {
+    run_composite(op, info, stack);
     return;
   }
   const auto& args = schema.arguments();
@@ -141,7 +163,7 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   for (int g : info.generators) {
     IValue& v = (*stack)[begin + g];
-    if (v.isNone()) v = IValue(generator(dev));
+    v = IValue(host_generator(v.toOptional<at::Generator>(), dev));
   }
   if (!info.reduced.empty() && reduced_precision()) {
     for (int p : info.reduced) {
@@ -186,6 +208,10 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::SmallVector<std::pair<c10::StorageImpl*, c10::Storage>, 4> adopted;  // outputs may share a storage
   auto out_of = [&](at::Tensor t) -> at::Tensor {
     if (!t.defined() || !t.device().is_cpu()) return t;
+    if (t.layout() != c10::kStrided && !to_host) {  // a CPU sparse tensor must not pass for a sim one
+      not_implemented(info, "sim simulates strided tensors only, and this op's output is " +
+                                c10::str(t.layout()) + ".");
+    }
     c10::StorageImpl* s = t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
     for (const Converted& c : call.converted) {
       if (c.made == s) {  // a view of an argument: a view of the sim tensor's memory
@@ -201,7 +227,9 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (cpu == s) storage = &sim;
     }
     if (storage == nullptr) storage = &adopted.emplace_back(s, adopt_storage(t.storage(), dev)).second;
-    at::Tensor out = on_storage(*storage, t, kSimKeys, false);
+    // An efficient zero tensor (sgn's gradient of a real input) has no memory: it keeps its ZeroTensor key.
+    at::Tensor out = on_storage(*storage, t, t._is_zerotensor() ? kSimKeys.add(c10::DispatchKey::ZeroTensor) : kSimKeys,
+                                false);
     if (faulty_dev) fresh.push_back(out);
     return out;
   };
@@ -232,15 +260,3 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 }  // namespace sim::detail
-
-namespace sim {
-using namespace detail;
-
-at::Generator generator(int dev) {
-  std::lock_guard<std::mutex> lock(generator_mutex);
-  at::Generator& g = generators.at(dev);
-  if (!g.defined()) g = at::detail::createCPUGenerator();
-  return g;
-}
-
-}  // namespace sim

@@ -107,6 +107,22 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size, std:
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), mf);
 }
 
+// What torch's refs and out= wrappers call to size an out= tensor (it has a Meta kernel only): the
+// device check and resize_output's semantics (a warning when a non-empty tensor is resized).
+const at::Tensor& resize_output_(const at::Tensor& self, c10::SymIntArrayRef size, c10::Device device) {
+  SIM_ENTER("aten::_resize_output_", "");
+  TORCH_CHECK(self.device() == device, "out Tensor doesn't have the correct device set");
+  at::native::resize_output(self, C10_AS_INTARRAYREF_SLOW(size));
+  return self;
+}
+
+at::Tensor resize_output(const at::Tensor& self, c10::SymIntArrayRef size, c10::Device device) {
+  SIM_ENTER("aten::_resize_output", "");
+  at::Tensor out = self.clone();
+  resize_output_(out, size, device);
+  return out;
+}
+
 at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
   SIM_ENTER("aten::set_", "source_Tensor");
   return at::native::set_tensor_(self, source);
@@ -194,11 +210,14 @@ std::vector<std::string> register_native_kernels(torch::Library& aten, torch::Li
   aten.impl("set_.source_Storage", TORCH_FN(set_storage));
   aten.impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage_offset));
   aten.impl("is_set_to", TORCH_FN(is_set_to));
+  aten.impl("_resize_output_", TORCH_FN(resize_output_));
+  aten.impl("_resize_output", TORCH_FN(resize_output));
   autograd.impl("_has_compatible_shallow_copy_type", TORCH_FN(shallow_copy_compatible));
   at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(&sdp_choice);
   return {"empty.memory_format", "empty_strided", "_copy_from", "_copy_from_and_resize", "view", "as_strided",
           "_reshape_alias", "unfold", "view_as_real", "view_as_complex", "resize_", "set_.source_Tensor",
-          "set_.source_Storage", "set_.source_Storage_storage_offset", "is_set_to"};
+          "set_.source_Storage", "set_.source_Storage_storage_offset", "is_set_to", "_resize_output_",
+          "_resize_output"};
 }
 
 }  // namespace sim::detail

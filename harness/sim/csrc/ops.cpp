@@ -26,6 +26,9 @@ const std::set<std::string> kCpuIndices = {"aten::index.Tensor",          "aten:
                                            "aten::_index_put_impl_.default", "aten::_unsafe_index.Tensor",
                                            "aten::_unsafe_index_put.default"};
 
+// Composites whose arguments must partly stay on the host (lengths, batch sizes): see OpInfo.
+const std::set<std::string> kDeviceComposite = {"aten::_pack_padded_sequence.default"};
+
 bool is_optional_generator(const c10::TypePtr& type) {
   if (type->kind() != c10::TypeKind::OptionalType) return false;
   return type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType;
@@ -64,6 +67,10 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
   const c10::FunctionSchema& s = op.schema();
   auto* info = new OpInfo();
   info->composite = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd);
+  if (!info->composite && op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    info->composite = true;
+    info->composite_key = c10::DispatchKey::CompositeImplicitAutograd;
+  }
   const std::string& ov = s.overload_name();
   info->base = s.name();
   info->full = info->base + "." + (ov.empty() ? "default" : ov);
@@ -106,6 +113,7 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
   if (r != reduced_ops().end()) info->reduced = r->second;
   info->cross_ok = kCrossDevice.count(info->full) > 0;
   info->cpu_indices_ok = kCpuIndices.count(info->full) > 0;
+  info->device_composite = info->composite && kDeviceComposite.count(info->full) > 0;
   info->histc = info->full == "aten::histc.default";
   return info;
 }

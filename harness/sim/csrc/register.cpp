@@ -15,6 +15,12 @@
 namespace sim::detail {
 namespace {
 
+// Factories whose composite calls a DispatchStub with the new sim tensors: the stub looks its kernel up
+// by device type and has none for sim (an internal assert). Their CPU kernel runs them whole, as for a
+// tensor op; outside the profile their composite fails with the backend's missing-kernel error
+// (kernel.cpp). Found by the OpInfo sweep (scripts/opinfo_table.py --fidelity).
+const std::set<std::string> kStubFactories = {"aten::kaiser_window"};
+
 std::unique_ptr<torch::Library> fallback_lib;
 std::unique_ptr<torch::Library> aten_lib;
 std::unique_ptr<torch::Library> autograd_lib;
@@ -48,6 +54,7 @@ using namespace detail;
 
 void register_dispatch() {
   if (fallback_lib) return;
+  register_hooks();
   fallback_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1,
                                                   __FILE__, __LINE__);
   fallback_lib->fallback(torch::CppFunction::makeFromBoxedFunction<&sim_kernel>());
@@ -68,12 +75,15 @@ void register_dispatch() {
     bool explicit_composite = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
                               op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
     // An op that also has a CompositeImplicitAutograd kernel is decomposed above the backend unless the
-    // backend has a kernel of its own for it (silu_backward): registering would change that.
-    if (!explicit_composite || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) {
+    // backend has a kernel of its own for it. The CPU has one for a few (silu_backward, mish_backward:
+    // fused, 1 ulp from the decomposition): sim runs those as the CPU does.
+    bool implicit = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+    bool cpu_over_implicit = implicit && op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) || (!cpu_over_implicit &&
+        (!explicit_composite || implicit))) {
       continue;
     }
-    if (returns_view(op->schema()) || !takes_tensors(op->schema())) continue;
+    if (returns_view(op->schema()) || (!takes_tensors(op->schema()) && !kStubFactories.count(name.name))) continue;
     aten_lib->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&sim_kernel>());
   }
 }

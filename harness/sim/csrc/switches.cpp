@@ -43,14 +43,20 @@ bool allowed(OpInfo& info) {
 
 
 [[noreturn]] void unsupported(const OpInfo& info, bool missing_host_kernel) {
-  std::string why;
   if (missing_host_kernel) {
-    why = "sim runs ops on host (CPU) kernels, and the CPU has no kernel for '" + info.display + "' with these args.";
-  } else {
+    not_implemented(info, "sim runs ops on host (CPU) kernels, and the CPU has no kernel for '" + info.display +
+                              "' with these args.");
+  }
+  std::string why;
+  {
     std::lock_guard<std::mutex> lock(switch_mutex);
     why = "'" + info.display + "' is not in the sim op profile '" + profile_name +
           "' (set PORTHARNESS_SIM_OPS=full to allow all).";
   }
+  not_implemented(info, why);
+}
+
+[[noreturn]] void not_implemented(const OpInfo& info, const std::string& why) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "Could not run '", info.display,
                               "' with arguments from the 'sim' backend. This could be because the operator "
                               "doesn't exist for this backend, or was omitted during the selective/custom build "
