@@ -54,7 +54,7 @@ def is_standard_missing(e: BaseException, backend: str = "sim") -> bool:
     return isinstance(e, NotImplementedError) and m is not None and m.group(2) == backend
 
 
-def _bits_differ(g: torch.Tensor, w: torch.Tensor) -> bool:
+def bits_differ(g: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether two same-dtype tensors differ in any bit, NaN payloads aside (sign of zero included)."""
     if g.is_complex():
         g, w = torch.view_as_real(g.resolve_conj()), torch.view_as_real(w.resolve_conj())
@@ -101,7 +101,7 @@ def compare(got, want, *, rtol: float, atol: float, device: str = "sim") -> tupl
             w = w.detach()
             worst = max(worst, _max_err(g, w))
             if rtol == 0 and atol == 0:
-                if _bits_differ(g, w):
+                if bits_differ(g, w):
                     return False, f"values differ bitwise (max abs err {_max_err(g, w):.3g})", worst
                 continue
             try:
@@ -208,7 +208,7 @@ def _same(again: Outcome, want: Outcome) -> bool:
         if isinstance(w, torch.Tensor):
             if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
                 return False
-            if g.layout != torch.strided or _bits_differ(g.detach().cpu(), w.detach().cpu()):
+            if g.layout != torch.strided or bits_differ(g.detach().cpu(), w.detach().cpu()):
                 return False
         elif g != w and not (isinstance(w, float) and math.isnan(w)):
             return False
