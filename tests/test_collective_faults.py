@@ -31,11 +31,9 @@ def test_shaped_work_wait_raises_failed_future() -> None:
 
 def test_sim_slow_fault_keeps_the_device_busy() -> None:
     """The sim's `slow` kind: each launch works (CPU time, not sleep) ``slow_s`` longer."""
-    import importlib
 
     import harness.sim as sim
-
-    sim_faults = importlib.import_module("harness.sim.faults")  # the package re-exports a `faults()` function
+    from harness.sim import fault_injection as sim_faults
 
     x = torch.ones(64).to("sim:0")
     with sim.faults("sim:0", slow=1.0, slow_s=0.02):

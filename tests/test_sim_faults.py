@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
@@ -13,8 +12,7 @@ import pytest
 import torch
 
 import harness.sim as sim
-
-sim_faults = importlib.import_module("harness.sim.faults")  # the package re-exports a `faults()` function
+from harness.sim import fault_injection as sim_faults
 
 
 @pytest.fixture(autouse=True)

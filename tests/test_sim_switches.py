@@ -3,7 +3,6 @@ function, and context manager; plus the unsupported-op error format and FlexAtte
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -13,10 +12,7 @@ import torch
 
 import harness.sim as sim
 from harness.sim import opset
-
-precision = importlib.import_module(
-    "harness.sim.precision"
-)  # the package re-exports a `precision()` function
+from harness.sim import precision_mode as precision
 
 UNSUPPORTED = r"^Could not run 'aten::roll' with arguments from the 'sim' backend\. This could be because"
 

@@ -70,7 +70,7 @@ class SimAdapter(Adapter):
                 raise ValueError(f"--compiler-bug {out['compiler_bug']!r}: sim's planted compiler bugs are "
                                  f"{', '.join(COMPILER_BUGS)}")
         if "fault" in out:
-            from harness.sim.faults import parse_fault_spec
+            from harness.sim.fault_injection import parse_fault_spec
 
             count = self.device_count()  # a bad spec, or a device that does not exist, fails here
             missing = sorted(i for i in parse_fault_spec(out["fault"]) if i >= count)

@@ -43,6 +43,19 @@ shared by views (``safetensors``/``save_pretrained``, ``torch.save``/``torch.loa
 and ``torch.autocast("sim")`` with CUDA's op lists (``autocast``). Python runs per op only while a
 switch needs it: injected faults, planted numerics bugs, autocast.
 
+At ``highest`` under the ``full`` profile sim is the CPU it runs on: values bit for bit (the sign of a
+zero included), and the CPU's errors, aliasing ``out=`` refused alike. Where it is a device rather than
+the CPU it behaves as CUDA does: index and length arguments may stay on the host (``tensor_split``
+indices, ``pack_padded_sequence`` lengths, whose batch sizes stay there too), pinned host memory
+(``Tensor.pin_memory``, ``DataLoader(pin_memory=True)``), ``torch.Generator("sim")`` (drawing as a CPU
+generator seeded alike), ``untyped_storage().resize_()`` and ``_resize_output_``; accelerator-only
+kernels (flash/efficient/cuDNN attention, fused RNN cells, ``batch_norm_stats``) raise the standard
+missing-kernel error. It differs from the CPU only where PyTorch itself does not give one answer: code
+that picks an algorithm by device type (``linear_cross_entropy``'s chunked fp16/bf16 accumulation takes a
+non-CPU device's path) and CPU kernels that are nondeterministic (gelsy's uninitialized pivots, im2col
+writing over its own input on several threads); ``conformance.EXPLAINED`` lists them, and
+``scripts/opinfo_table.py --fidelity`` counts the differences over all of ``op_db`` by class.
+
 FlexAttention is not supported on sim, as on any device outside its CUDA/CPU/XPU/HPU/MPS list:
 PyTorch's own check raises "FlexAttention is only supported on ...", eagerly and while torch.compile
 traces it (transformers' ``attn_implementation="flex_attention"``).
@@ -62,22 +75,19 @@ about the harness runner.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
 import torch
 
-from .fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
-from .faults import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
+from . import device as _device_mod
+from .cpu_fallback import fallback, fallback_counts, get_fallback, reset_fallback_counts, set_fallback
+from .fault_injection import SimDeviceError, active_faults, clear_faults, faults, injected_counts, set_faults
 from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
-from .precision import get_precision, precision, set_precision
+from .precision_mode import get_precision, precision, set_precision
 from .slowdown import get_slow_ops, set_slow_ops, slow_ops
-
-# Submodules are fetched this way because the context managers re-exported above shadow their names.
-_device_mod = importlib.import_module(".device", __package__)
 
 __all__ = [
     "SimDeviceError",
@@ -118,17 +128,6 @@ BACKEND_NAME = "sim"
 _registered = False
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, dev_id: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
 def _register() -> None:
     global _registered
     if _registered:
@@ -143,14 +142,17 @@ def _register() -> None:
 
     if current == BACKEND_NAME and hasattr(torch, BACKEND_NAME):
         raise RuntimeError("a different 'sim' backend is already registered in this process")
-    # The native device guard, allocator and dispatch path go in first: torch's Python guard (which the
-    # call below would otherwise install) reports a single device. See native.py.
+    # The native device guard, hooks (pinned memory, generators), allocator and dispatch path go in first:
+    # torch's Python guard and hooks (which the call below would otherwise install) report a single device
+    # and lack those APIs. See native.py.
     _device_mod._ext.register()
-    _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod, hook=_Hooks())
-    importlib.import_module(".autocast", __package__).register()
-    importlib.import_module(".numerics", __package__).plant_from_env()
+    _setup_privateuseone_for_python_backend(BACKEND_NAME, backend_module=_device_mod)
+    from . import autocast, numerics
+
+    autocast.register()
+    numerics.plant_from_env()
     if os.environ.get("PORTHARNESS_SIM_COMPILER_BUG"):  # a compiler bug: Inductor must know before compiling
-        importlib.import_module(".inductor", __package__)
+        from . import inductor  # noqa: F401
     common = sys.modules.get("torch._inductor.codegen.common")
     if common is not None:  # Inductor registered its devices before sim existed: it asks again next compile
         common.init_backend_registration.cache_clear()

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from .indices import MAX_DEVICES, _index_of
 from .native import ext
+from .switch import Switch
 
 MEMORY_ENV = "PORTHARNESS_SIM_MEMORY_MB"
 
@@ -56,13 +56,24 @@ def _default_size() -> int:
     return _parse_mb(raw) if raw else _host_memory()
 
 
+# Every device's simulated memory size, in bytes (device index -> bytes).
+_switch: Switch[dict[int, int]] = Switch(lambda sizes: [ext.set_limit(i, b) for i, b in sizes.items()],
+                                         dict.fromkeys(range(MAX_DEVICES), _default_size()))
+
+
+def _indices(device: DeviceLike | str) -> list[int]:
+    return list(range(MAX_DEVICES)) if device == "all" else [_index_of(device)]
+
+
+def _sized(size_mb: float | None, device: DeviceLike | str) -> dict[int, int]:
+    size = _default_size() if size_mb is None else _parse_mb(str(size_mb))
+    return {**_switch.get(), **dict.fromkeys(_indices(device), size)}
+
+
 def set_memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> None:
     """Simulated memory of `device` (default: every device) in MiB; None restores the default (env
     var, else host memory). Live tensors stay; the next allocation that does not fit raises."""
-    size = _default_size() if size_mb is None else _parse_mb(str(size_mb))
-    indices = range(MAX_DEVICES) if device == "all" else [_index_of(device)]
-    for i in indices:
-        ext.set_limit(i, size)
+    _switch.set(_sized(size_mb, device))
 
 
 def get_memory_size(device: DeviceLike = None) -> int:
@@ -70,17 +81,11 @@ def get_memory_size(device: DeviceLike = None) -> int:
     return ext.stats(_index_of(device))[7]
 
 
-@contextmanager
-def memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> Iterator[None]:
-    """Run the block with another simulated memory size (restored after)."""
-    indices = range(MAX_DEVICES) if device == "all" else [_index_of(device)]
-    prev = {i: ext.stats(i)[7] for i in indices}
-    set_memory_size(size_mb, device)
-    try:
-        yield
-    finally:
-        for i, size in prev.items():
-            ext.set_limit(i, size)
+def memory_size(size_mb: float | None, device: DeviceLike | str = "all") -> AbstractContextManager[None]:
+    """Run the block with another simulated memory size (restored after, on the devices it set)."""
+    indices = _indices(device)
+    return _switch.scoped(_sized(size_mb, device),
+                          lambda prev, now: {**now, **{i: prev[i] for i in indices}})
 
 
 # --- the torch.sim / torch.cuda-style memory API ---------------------------------------------------
@@ -136,4 +141,3 @@ def empty_cache() -> None:
     ext.clear_round_cache()
 
 
-set_memory_size(None)  # the env var's size (or host memory) on every device; a bad value fails the import

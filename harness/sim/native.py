@@ -2,8 +2,8 @@
 
 sim is a PrivateUse1 backend in C++, as a real one is: its tensors are plain `torch.Tensor`s with
 dispatch key PrivateUse1 and storage from sim's `c10::DeviceAllocator` (host memory, counted per
-simulated device), and one boxed kernel serves every op (``csrc/dispatch.cpp``). What only C++ can
-give: a device guard that knows more than one device (torch's Python guard hard-codes one, and the
+simulated device), and one boxed kernel serves every op (``csrc/kernel.cpp``; ``csrc/dispatch.h``
+maps the other files, one per concept). What only C++ can give: a device guard that knows more than one device (torch's Python guard hard-codes one, and the
 autograd engine sizes its per-device queues from it), the allocator that ``torch.accelerator``'s
 memory API wants, and a dispatch path that costs no Python call per op. Python is called back only
 where a switch needs it (an injected fault); planted numerics bugs and autocast register their own

@@ -38,17 +38,17 @@ integers, or whose GELU inputs are all tiny, calls the op without exercising the
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .native import ext
+from .switch import Switch
 
 NUMERICS_ENV = "PORTHARNESS_SIM_NUMERICS"
 aten = torch.ops.aten
@@ -194,7 +194,6 @@ def _parse(spec: str) -> tuple[str, ...]:
     return _validate(tuple(k.strip() for k in spec.split(",") if k.strip()))
 
 
-_active: tuple[str, ...] = ()
 _lib: torch.library.Library | None = None  # the kernels of the planted bugs, while any is on
 
 
@@ -238,7 +237,7 @@ def _counted(func: torch._ops.OpOverload, impl: Callable) -> Callable:
 def _device_kernel(func: torch._ops.OpOverload, impl: Callable) -> Callable:
     """`impl` (on host tensors) as func's kernel on sim: entered like a native kernel (trace, profile),
     run on host views, its results adopted by the first argument's device, faults drawn as for any launch."""
-    faults = importlib.import_module(".faults", __package__)  # `harness.sim.faults` is also a function
+    from . import fault_injection as faults
     name, overload = func._schema.name, func._overloadname
     run = _counted(func, impl)
     inplace = func._schema.is_mutable
@@ -282,6 +281,9 @@ def _register(kinds: tuple[str, ...]) -> None:
                 _lib.impl(func, _device_kernel(func, impl), "PrivateUse1")
 
 
+_switch: Switch[tuple[str, ...]] = Switch(_register, ())
+
+
 def numerics_hits() -> dict[str, int]:
     """Calls per op whose result the planted bugs changed beyond fp32 rounding, since the last reset."""
     return dict(_hits)
@@ -292,27 +294,17 @@ def reset_numerics_hits() -> None:
 
 
 def get_numerics_bugs() -> tuple[str, ...]:
-    return _active
+    return _switch.get()
 
 
 def set_numerics_bugs(*kinds: str) -> None:
     """Plant these bugs (none: every kernel correct again)."""
-    global _active
-    kinds = _validate(tuple(kinds))
-    if kinds != _active:
-        _register(kinds)
-        _active = kinds
+    _switch.set(_validate(tuple(kinds)))
 
 
-@contextmanager
-def numerics_bugs(*kinds: str) -> Iterator[None]:
+def numerics_bugs(*kinds: str) -> AbstractContextManager[None]:
     """Run the block with these bugs planted."""
-    prev = _active
-    set_numerics_bugs(*kinds)
-    try:
-        yield
-    finally:
-        set_numerics_bugs(*prev)
+    return _switch.scoped(_validate(tuple(kinds)))
 
 
 def plant_from_env() -> None:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 
 from .native import ext
+from .switch import Switch
 
 OPS_ENV = "PORTHARNESS_SIM_OPS"
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -51,6 +51,8 @@ ALWAYS_ALLOWED = frozenset(
         "aten::set_.source_Storage_storage_offset",
         "aten::set_.source_Storage",
         "aten::resize_",
+        "aten::_resize_output_",  # sizes an out= tensor (torch's refs, out= wrappers)
+        "aten::_resize_output",
         "aten::lift_fresh_copy",  # torch.tensor(..., device=...) inside a compiled graph
     }
 )
@@ -145,36 +147,28 @@ def resolved_profiles() -> list[OpProfile]:
 _applied: OpProfile | None = None
 
 
-def _apply(profile: OpProfile) -> OpProfile:
+def _apply(profile: OpProfile) -> None:
     """Make `profile` the one the native dispatch path checks (a no-op if it already is)."""
     global _applied
     if profile is not _applied:
         ext.set_profile(None if profile.ops is None else sorted(profile.ops), profile.name)
         _applied = profile
-    return profile
 
 
-_profile = _apply(resolve(os.environ.get(OPS_ENV, "young")))
+_switch: Switch[OpProfile] = Switch(_apply, resolve(os.environ.get(OPS_ENV, "young")))
 
 
 def get_op_profile() -> OpProfile:
-    return _profile
+    return _switch.get()
 
 
 def set_op_profile(name: str) -> None:
-    global _profile
-    _profile = _apply(resolve(name))
+    _switch.set(resolve(name))
 
 
-@contextmanager
-def op_profile(name: str) -> Iterator[None]:
+def op_profile(name: str) -> AbstractContextManager[None]:
     """Run the block with another op profile (``full``, ``young``, or a file path)."""
-    global _profile
-    prev, _profile = _profile, _apply(resolve(name))
-    try:
-        yield
-    finally:
-        _profile = _apply(prev)
+    return _switch.scoped(resolve(name))
 
 
 def start_trace() -> None:
@@ -195,7 +189,7 @@ def unsupported_error(
     if missing_host_kernel:
         why = f"sim runs ops on host (CPU) kernels, and the CPU has no kernel for '{name}' with these args."
     else:
-        why = f"'{name}' is not in the sim op profile '{_profile.name}' (set {OPS_ENV}=full to allow all)."
+        why = f"'{name}' is not in the sim op profile '{_switch.get().name}' (set {OPS_ENV}=full to allow all)."
     return NotImplementedError(
         f"Could not run '{name}' with arguments from the 'sim' backend. This could be because the "
         f"operator doesn't exist for this backend, or was omitted during the selective/custom build "

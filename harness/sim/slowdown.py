@@ -15,10 +15,10 @@ Switch: env ``PORTHARNESS_SIM_SLOW_OPS`` (``aten::_softmax:3,aten::gelu:1.5``), 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 from .native import ext
+from .switch import Switch
 
 SLOW_OPS_ENV = "PORTHARNESS_SIM_SLOW_OPS"
 
@@ -57,34 +57,22 @@ def _known_op(name: str) -> bool:
                               or overload == "default" and any(not s.overload_name for s in schemas))
 
 
-_active: dict[str, float] = {}
+_switch: Switch[dict[str, float]] = Switch(ext.set_slow_ops, parse_slow_ops(os.environ.get(SLOW_OPS_ENV, "")))
 
 
-def _apply(ops: dict[str, float]) -> dict[str, float]:
-    ext.set_slow_ops(ops)
-    return ops
+def _parsed(ops: dict[str, float] | str) -> dict[str, float]:
+    return parse_slow_ops(ops) if isinstance(ops, str) else dict(ops)
 
 
 def get_slow_ops() -> dict[str, float]:
-    return dict(_active)
+    return dict(_switch.get())
 
 
 def set_slow_ops(ops: dict[str, float] | str) -> None:
     """Plant these slowdowns (a dict or a spec string; empty: every kernel at its own speed)."""
-    global _active
-    _active = _apply(parse_slow_ops(ops) if isinstance(ops, str) else dict(ops))
+    _switch.set(_parsed(ops))
 
 
-@contextmanager
-def slow_ops(ops: dict[str, float] | str) -> Iterator[None]:
+def slow_ops(ops: dict[str, float] | str) -> AbstractContextManager[None]:
     """Run the block with these slowdowns planted."""
-    prev = _active
-    set_slow_ops(ops)
-    try:
-        yield
-    finally:
-        set_slow_ops(prev)
-
-
-if os.environ.get(SLOW_OPS_ENV):
-    set_slow_ops(os.environ[SLOW_OPS_ENV])
+    return _switch.scoped(_parsed(ops))

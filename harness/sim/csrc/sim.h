@@ -32,7 +32,7 @@ c10::DataPtr device_data(c10::DataPtr host, c10::intrusive_ptr<c10::StorageImpl>
                          size_t bytes);
 bool is_device_data(const c10::DataPtr& dp);
 
-// ---- dispatch (dispatch.cpp) -----------------------------------------------------------------------
+// ---- dispatch (register.cpp; the parts in dispatch.h) ------------------------------------------------
 void register_dispatch();
 
 }  // namespace sim

@@ -8,22 +8,24 @@ rounded to bf16, products are accumulated in fp32. Models "run" but drift. `sim`
   then computed and accumulated in fp32. Biases and every other op stay fp32.
 - ``highest``: true fp32, bit-identical to the CPU reference.
 
-The rounding happens in sim's native dispatch path (``csrc/dispatch.cpp``). A parameter's rounded copy
+The rounding happens in sim's native dispatch path (``csrc/rounding.cpp``). A parameter's rounded copy
 (and its views', such as ``weight.t()``) is kept until anything writes the parameter's storage or it
 dies, bounded by ``PORTHARNESS_SIM_ROUND_CACHE_MB`` (default 128); `torch.sim.empty_cache()` drops it.
 
-Switch: env ``PORTHARNESS_SIM_PRECISION``, `set_precision()`, or the `precision()` context manager.
+Switch: env ``PORTHARNESS_SIM_PRECISION``, `set_precision()`, or the `precision()` context manager (all
+re-exported by ``harness.sim``; this module is ``precision_mode`` so that the name ``precision`` is the
+context manager's alone).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 
 from .native import ext
+from .switch import Switch
 
 PRECISION_ENV = "PORTHARNESS_SIM_PRECISION"
 MODES = ("default", "highest")
@@ -35,32 +37,21 @@ def _validate(mode: str) -> str:
     return mode
 
 
-def _apply(mode: str) -> str:
-    ext.set_reduced_precision(mode != "highest")
-    return mode
-
-
-_mode = _apply(_validate(os.environ.get(PRECISION_ENV, "default")))
+_switch = Switch(lambda mode: ext.set_reduced_precision(mode != "highest"),
+                 _validate(os.environ.get(PRECISION_ENV, "default")))
 
 
 def get_precision() -> str:
-    return _mode
+    return _switch.get()
 
 
 def set_precision(mode: str) -> None:
-    global _mode
-    _mode = _apply(_validate(mode))
+    _switch.set(_validate(mode))
 
 
-@contextmanager
-def precision(mode: str) -> Iterator[None]:
+def precision(mode: str) -> AbstractContextManager[None]:
     """Run the block with the given sim precision mode, restoring the previous one after."""
-    global _mode
-    prev, _mode = _mode, _apply(_validate(mode))
-    try:
-        yield
-    finally:
-        _mode = _apply(prev)
+    return _switch.scoped(_validate(mode))
 
 
 def round_to_bf16(t: torch.Tensor) -> torch.Tensor:

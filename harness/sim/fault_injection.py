@@ -20,7 +20,7 @@ only, so a healthy machine never enters Python per op.
 
 Switch: env ``PORTHARNESS_SIM_FAULTS`` (e.g. ``sim:1=nan:1.0;sim:0=error:0.05,hang:0.01@seed=3``,
 ``sim:1=slow:1.0@slow_s=0.002``),
-`set_faults()` / `clear_faults()`, or the `faults()` context manager.
+`set_faults()` / `clear_faults()`, or the `faults()` context manager (re-exported by ``harness.sim``).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
 from .native import ext
+from .switch import Switch
 
 FAULTS_ENV = "PORTHARNESS_SIM_FAULTS"
 KINDS = ("crash", "hang", "error", "nan", "garbage", "slow")  # new kinds go last: draws stay the same
@@ -66,13 +66,13 @@ class DeviceFaults:
         self.injected = dict.fromkeys(KINDS, 0)
 
 
-# device index -> faults; empty on a healthy machine so the dispatch hot path skips it entirely.
-_active: dict[int, DeviceFaults] = {}
-
-
-def _sync() -> None:
+def _sync(active: dict[int, DeviceFaults]) -> None:
     """Tell the native dispatch path which devices call `on_launch`."""
-    ext.set_fault_hook(on_launch if _active else None, sorted(_active))
+    ext.set_fault_hook(on_launch if active else None, sorted(active))
+
+
+# device index -> faults; empty on a healthy machine so the dispatch hot path skips it entirely.
+_switch: Switch[dict[int, DeviceFaults]] = Switch(_sync, {})
 
 
 def _device_index(device: str | int) -> int:
@@ -85,48 +85,48 @@ def _device_index(device: str | int) -> int:
     return int(index or 0)
 
 
+def _with(device: str | int, seed: int, hang_s: float, slow_s: float, probabilities: dict[str, float]
+          ) -> dict[int, DeviceFaults]:
+    idx = _device_index(device)
+    faults = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s, slow_s=slow_s)
+    return {**_switch.get(), idx: faults}
+
+
 def set_faults(
     device: str | int, *, seed: int = 0, hang_s: float = 3600.0, slow_s: float = 0.001, **probabilities: float
 ) -> None:
     """Make `device` faulty, e.g. ``set_faults("sim:1", nan=1.0)``. Replaces earlier faults there."""
-    idx = _device_index(device)
-    _active[idx] = DeviceFaults(dict(probabilities), seed=seed * 1_000_003 + idx, hang_s=hang_s, slow_s=slow_s)
-    _sync()
+    _switch.set(_with(device, seed, hang_s, slow_s, probabilities))
 
 
 def clear_faults(device: str | int | None = None) -> None:
     if device is None:
-        _active.clear()
+        _switch.set({})
     else:
-        _active.pop(_device_index(device), None)
-    _sync()
+        idx = _device_index(device)
+        _switch.set({i: f for i, f in _switch.get().items() if i != idx})
 
 
 def active_faults() -> dict[int, DeviceFaults]:
-    return _active
+    return _switch.get()
 
 
 def injected_counts() -> dict[str, dict[str, int]]:
     """How many faults of each kind fired per device in this process (for test assertions)."""
-    return {f"sim:{i}": dict(f.injected) for i, f in _active.items()}
+    return {f"sim:{i}": dict(f.injected) for i, f in _switch.get().items()}
 
 
-@contextmanager
 def faults(
     device: str | int, *, seed: int = 0, hang_s: float = 3600.0, slow_s: float = 0.001, **probabilities: float
-) -> Iterator[None]:
-    """Inject faults on `device` inside the block only."""
+) -> AbstractContextManager[None]:
+    """Inject faults on `device` inside the block only (the other devices' faults stay as the block left them)."""
     idx = _device_index(device)
-    prev = _active.get(idx)
-    set_faults(idx, seed=seed, hang_s=hang_s, slow_s=slow_s, **probabilities)
-    try:
-        yield
-    finally:
-        if prev is None:
-            _active.pop(idx, None)
-        else:
-            _active[idx] = prev
-        _sync()
+
+    def restore(prev: dict[int, DeviceFaults], now: dict[int, DeviceFaults]) -> dict[int, DeviceFaults]:
+        out = {i: f for i, f in now.items() if i != idx}
+        return {**out, idx: prev[idx]} if idx in prev else out
+
+    return _switch.scoped(_with(idx, seed, hang_s, slow_s, probabilities), restore)
 
 
 def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
@@ -158,7 +158,7 @@ def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
 
 def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
     """Called by the dispatch path after a kernel on `sim:idx` computed `outputs` (fresh, non-aliasing)."""
-    f = _active.get(idx)
+    f = _switch.get().get(idx)
     if f is None:
         return
     p = f.probabilities
@@ -193,5 +193,4 @@ def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
 
 
 if os.environ.get(FAULTS_ENV):
-    _active.update(parse_fault_spec(os.environ[FAULTS_ENV]))
-    _sync()
+    _switch.set(parse_fault_spec(os.environ[FAULTS_ENV]))

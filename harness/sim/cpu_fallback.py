@@ -6,16 +6,17 @@ sim's kernels always do) and is counted per op; with ``off`` (the default) it ra
 missing-kernel error. Ops the host itself has no kernel for still fail either way.
 
 Switch: env ``PORTHARNESS_SIM_FALLBACK`` (``off`` | ``cpu``), `set_fallback()`, or the `fallback()`
-context manager; `fallback_counts()` / `reset_fallback_counts()` read and clear the counters.
+context manager; `fallback_counts()` / `reset_fallback_counts()` read and clear the counters (all
+re-exported by ``harness.sim``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 from .native import ext
+from .switch import Switch
 
 FALLBACK_ENV = "PORTHARNESS_SIM_FALLBACK"
 MODES = ("off", "cpu")
@@ -27,32 +28,21 @@ def _validate(mode: str) -> str:
     return mode
 
 
-def _apply(mode: str) -> str:
-    ext.set_fallback_cpu(mode == "cpu")
-    return mode
-
-
-_mode = _apply(_validate(os.environ.get(FALLBACK_ENV, "off") or "off"))
+_switch = Switch(lambda mode: ext.set_fallback_cpu(mode == "cpu"),
+                 _validate(os.environ.get(FALLBACK_ENV, "off") or "off"))
 
 
 def get_fallback() -> str:
-    return _mode
+    return _switch.get()
 
 
 def set_fallback(mode: str) -> None:
-    global _mode
-    _mode = _apply(_validate(mode))
+    _switch.set(_validate(mode))
 
 
-@contextmanager
-def fallback(mode: str) -> Iterator[None]:
+def fallback(mode: str) -> AbstractContextManager[None]:
     """Run the block with another fallback mode."""
-    global _mode
-    prev, _mode = _mode, _apply(_validate(mode))
-    try:
-        yield
-    finally:
-        _mode = _apply(prev)
+    return _switch.scoped(_validate(mode))
 
 
 def fallback_counts() -> dict[str, int]:

@@ -1,0 +1,277 @@
+"""Hand-written sim-vs-CPU cases for what OpInfo samples do not reach (issue 39's classes).
+
+Each `Contract` builds its inputs for one device and runs a call: with ``cpu`` for the control and
+with ``sim`` for the device under test, compared as `differential.judge` compares OpInfo samples
+(values bit for bit at ``highest``, or the same error type and message). Host-side arguments stay
+on the CPU on both sides, as a CUDA user passes them. A contract without a CPU control (a device API,
+an accelerator-only kernel) states its own expectation: `expect_missing` names the op whose standard
+missing-kernel error sim must raise, `expect_error` starts the error CUDA raises there (device name
+``sim:0``); otherwise sim must not raise (the case asserts what it needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import differential
+
+Fn = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class Contract:
+    name: str
+    klass: str  # one of differential.CLASSES
+    fn: Fn
+    cpu_control: bool = True
+    expect_missing: str = ""  # without a control: the op sim must report as not implemented
+    expect_error: str = ""  # without a control: the start of the error sim must raise (as CUDA does)
+
+
+def _arange(device: str, n: int = 6) -> torch.Tensor:
+    return torch.arange(float(n), device=device)
+
+
+def _idx(device: str, *values: int) -> torch.Tensor:
+    return torch.tensor(values, device=device)
+
+
+# ---- 1. ops whose kernel goes through a DispatchStub outside sim's kernel ------------------------------
+
+def _stub_cases() -> list[Contract]:
+    return [
+        Contract("kaiser_window", "dispatch_stub", lambda d: torch.kaiser_window(8, device=d)),
+        Contract("kaiser_window.beta", "dispatch_stub",
+                 lambda d: torch.kaiser_window(9, periodic=False, beta=5.0, device=d)),
+        Contract("signal.windows.kaiser", "dispatch_stub", lambda d: torch.signal.windows.kaiser(7, device=d)),
+    ]
+
+
+# ---- 2. aliasing out= and in-place overlap ------------------------------------------------------------
+
+def _alias(fn: Callable[[torch.Tensor], object]) -> Fn:
+    def run(d: str) -> object:
+        x = _arange(d)
+        res = fn(x)
+        return res, x
+
+    return run
+
+
+def _alias_cases() -> list[Contract]:
+    def kth(x):
+        return torch.kthvalue(x, 2, out=(x[:1], torch.empty(1, dtype=torch.long, device=x.device)))
+
+    return [
+        Contract("gather out=input", "aliasing", _alias(lambda x: torch.gather(x, 0, _idx(x.device, 2, 0, 1), out=x))),
+        Contract("take out=input", "aliasing", _alias(lambda x: torch.take(x, _idx(x.device, 5, 4, 3), out=x[:3]))),
+        Contract("kthvalue values=input", "aliasing", _alias(kth)),
+        Contract("masked_select out=input", "aliasing", _alias(lambda x: torch.masked_select(x, x > 2, out=x))),
+        Contract("cat overlapping out", "aliasing", _alias(lambda x: torch.cat([x[:2], x[2:4]], out=x[1:5]))),
+        Contract("index_select out=input", "aliasing",
+                 _alias(lambda x: torch.index_select(x, 0, _idx(x.device, 1, 0), out=x[:2]))),
+        Contract("add out=partial overlap", "aliasing", _alias(lambda x: torch.add(x[:-1], 1, out=x[1:]))),
+        Contract("add_ partial overlap", "aliasing", _alias(lambda x: x[1:].add_(x[:-1]))),
+        Contract("mul_ self overlap (expand)", "aliasing",
+                 _alias(lambda x: x[:1].expand(4).mul_(2))),
+        Contract("sort values=input", "aliasing",
+                 _alias(lambda x: torch.sort(x, out=(x, torch.empty(6, dtype=torch.long, device=x.device))))),
+        Contract("index_put_ values=self", "aliasing",
+                 _alias(lambda x: x.index_put_((_idx(x.device, 0, 1),), x[1:3]))),
+        Contract("im2col out=input", "aliasing", lambda d: _im2col_alias(d)),
+    ]
+
+
+def _im2col_alias(d: str) -> object:
+    """im2col writing over its own input: the CPU allows it, and its threads then race over the shared
+    memory (runs of the CPU alone differ), so both sides run it on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.arange(16.0, device=d).reshape(1, 1, 4, 4)
+        res = torch._C._nn.im2col(x, (2, 2), (1, 1), (0, 0), (2, 2), out=x.reshape(1, 4, 4))
+        return res, x
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- 3. host-side arguments (CPU as on CUDA) ----------------------------------------------------------
+
+def _pack(d: str, lengths: object) -> object:
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    seq = torch.arange(24.0, device=d).reshape(3, 2, 4)
+    packed = pack_padded_sequence(seq, lengths)
+    padded, lens = pad_packed_sequence(packed)
+    return packed.data, packed.batch_sizes.device.type, packed.batch_sizes.tolist(), padded, lens.tolist()
+
+
+def _host_cases() -> list[Contract]:
+    return [
+        Contract("tensor_split cpu indices", "host_args",
+                 lambda d: torch.tensor_split(_arange(d, 10), torch.tensor([2, 5]))),
+        Contract("tensor_split cpu sections", "host_args",
+                 lambda d: torch.tensor_split(_arange(d, 10), torch.tensor(3))),
+        Contract("tensor_split device indices", "host_args",
+                 lambda d: torch.tensor_split(_arange(d, 10), _idx(d, 2, 5)), cpu_control=False,
+                 expect_error="tensor_split expected tensor_indices_or_sections to be on cpu, but it's on sim:0"),
+        Contract("pack_padded_sequence cpu lengths", "host_args", lambda d: _pack(d, torch.tensor([3, 2]))),
+        Contract("pack_padded_sequence list lengths", "host_args", lambda d: _pack(d, [3, 1])),
+        Contract("pack_padded_sequence device lengths", "host_args", lambda d: _pack(d, _idx(d, 3, 2)),
+                 cpu_control=False,
+                 expect_error="'lengths' argument should be a 1D CPU int64 tensor, but got 1D sim:0 Long tensor"),
+        Contract("pack_sequence", "host_args", lambda d: _pack_sequence(d)),
+        Contract("index cpu indices", "host_args", lambda d: _arange(d)[torch.tensor([4, 0, 2])]),
+        Contract("index cpu mask", "host_args", lambda d: _arange(d)[torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.bool)]),
+        Contract("index_put_ cpu indices", "host_args",
+                 lambda d: _arange(d).index_put_((torch.tensor([1, 3]),), torch.tensor(9.0, device=d))),
+    ]
+
+
+def _pack_sequence(d: str) -> object:
+    from torch.nn.utils.rnn import pack_sequence
+
+    packed = pack_sequence([torch.ones(3, device=d), torch.zeros(2, device=d)])
+    return packed.data, packed.batch_sizes.device.type, packed.batch_sizes.tolist()
+
+
+# ---- 4. numerical edge cases ------------------------------------------------------------------------
+
+def _logit_backward(n: int, eps: float | None) -> Fn:
+    def run(d: str) -> object:
+        x = torch.linspace(-0.5, 1.5, n, device=d).requires_grad_()
+        g = torch.full((n,), -1.0, device=d)
+        torch.logit(x, eps).backward(g)
+        return x.grad
+
+    return run
+
+
+def _grid_nonfinite(mode: str) -> Fn:
+    def run(d: str) -> object:
+        inp = torch.arange(16.0, device=d).reshape(1, 1, 4, 4)
+        nan, inf = float("nan"), float("inf")
+        grid = torch.tensor([[[[nan, 0.0], [inf, 0.5]], [[0.2, -inf], [0.1, 0.1]]]], device=d)
+        return F.grid_sample(inp, grid, mode=mode, align_corners=False)
+
+    return run
+
+
+def _numerics_cases() -> list[Contract]:
+    cases = [Contract(f"logit backward n={n} eps={eps}", "numerics", _logit_backward(n, eps))
+             for n in (7, 8, 9, 16, 17, 33) for eps in (None, 0.25)]
+    cases += [Contract(f"grid_sample non-finite {m}", "numerics", _grid_nonfinite(m)) for m in ("bilinear", "nearest")]
+    big = [1e5, -1e5, 65519.0, 65520.0, 3e38, float("inf")]
+    cases += [
+        Contract("fp16 saturation .half()", "numerics", lambda d: torch.tensor(big, device=d).half()),
+        Contract("fp16 saturation Linear.half()", "numerics", lambda d: _half_linear(d, big)),
+        Contract("ldexp wide int64 exponents", "numerics",
+                 lambda d: torch.ldexp(torch.ones(4, device=d), torch.tensor([1, 2**31 + 5, -(2**40), 200], device=d))),
+        Contract("col2im", "numerics",
+                 lambda d: F.fold(torch.arange(16.0, device=d).reshape(1, 4, 4), (3, 3), (2, 2))),
+    ]
+    return cases
+
+
+def _half_linear(d: str, weights: list[float]) -> object:
+    lin = torch.nn.Linear(len(weights), 1).to(d)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([weights], device=d))
+    return lin.half().weight.detach()
+
+
+# ---- 5. device APIs and accelerator-only kernels -------------------------------------------------------
+
+def _pin(d: str) -> object:
+    t = torch.arange(4.0)
+    p = t.pin_memory()
+    assert p.is_pinned(), "pin_memory() gave memory that is_pinned() denies"
+    return p.to(d, non_blocking=True)
+
+
+def _loader(d: str) -> object:
+    data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
+    batches = list(torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True))
+    assert all(b[0].is_pinned() for b in batches), "DataLoader(pin_memory=True) gave unpinned batches"
+    return torch.cat([b[0].to(d) for b in batches])
+
+
+def _resize_output(d: str) -> object:
+    t = torch.zeros(0, device=d)
+    torch.ops.aten._resize_output_(t, [5], t.device)
+    assert tuple(t.shape) == (5,), f"_resize_output_ left shape {tuple(t.shape)}"
+    z = torch.zeros(0, device=d)
+    r = torch.ops.aten._resize_output(z, [2, 3], z.device)
+    assert tuple(r.shape) == (2, 3) and r.device.type == "sim", f"_resize_output gave {r.shape} on {r.device}"
+    return None
+
+
+def _qkv(d: str) -> torch.Tensor:
+    return torch.randn(1, 2, 8, 16, device=d)
+
+
+def _device_cases() -> list[Contract]:
+    q = _qkv
+    cases = [
+        Contract("pin_memory", "device_api", _pin, cpu_control=False),
+        Contract("DataLoader pin_memory=True", "device_api", _loader, cpu_control=False),
+        Contract("_resize_output_", "device_api", _resize_output, cpu_control=False),
+        Contract("torch.Generator(device)", "device_api",
+                 lambda d: torch.randn(3, device=d, generator=torch.Generator(d).manual_seed(1)).sum().item()),
+    ]
+    missing = {
+        "aten::_scaled_dot_product_flash_attention": lambda d: torch.ops.aten._scaled_dot_product_flash_attention(
+            q(d), q(d), q(d)),
+        "aten::_scaled_dot_product_efficient_attention":
+            lambda d: torch.ops.aten._scaled_dot_product_efficient_attention(q(d), q(d), q(d), None, False),
+        "aten::_scaled_dot_product_cudnn_attention":
+            lambda d: torch.ops.aten._scaled_dot_product_cudnn_attention(q(d), q(d), q(d), None, False),
+        "aten::_thnn_fused_lstm_cell": lambda d: torch.ops.aten._thnn_fused_lstm_cell(
+            torch.randn(2, 16, device=d), torch.randn(2, 16, device=d), torch.randn(2, 4, device=d)),
+        "aten::_thnn_fused_gru_cell": lambda d: torch.ops.aten._thnn_fused_gru_cell(
+            torch.randn(2, 12, device=d), torch.randn(2, 12, device=d), torch.randn(2, 4, device=d)),
+        "aten::batch_norm_stats": lambda d: torch.batch_norm_stats(torch.randn(4, 3, device=d), 1e-5),
+    }
+    cases += [Contract(f"{name} is not implemented", "device_api", fn, cpu_control=False, expect_missing=name)
+              for name, fn in missing.items()]
+    return cases
+
+
+def all_contracts() -> list[Contract]:
+    return _stub_cases() + _alias_cases() + _host_cases() + _numerics_cases() + _device_cases()
+
+
+def run_contract(c: Contract, *, mode: str = "highest") -> differential.SampleResult:
+    """One contract: sim against its CPU control, or against its own expectation."""
+    got = differential.traced(lambda: c.fn("sim"), seed=0, mode=mode)
+    if c.cpu_control:
+        want = differential.attempt(lambda: c.fn("cpu"), seed=0)
+        r = differential.judge(want, got, exact=mode == "highest", kind="contract")
+        if r.klass == "numerics" and not differential.cpu_deterministic(lambda: c.fn("cpu"), want, 0):
+            r = differential.SampleResult("skipped", "the CPU reference is nondeterministic here", kind="contract")
+        if r.status == "unsupported" and want.error is None:
+            r.status, r.reason = "failed", f"sim has no kernel where the CPU computes: {r.reason}"
+    elif c.expect_missing:
+        e = got.error
+        ok = e is not None and differential.is_standard_missing(e) and f"'{c.expect_missing}'" in str(e)[:200]
+        why = "" if ok else (f"expected the standard missing-kernel error for {c.expect_missing}, got "
+                             + (f"{type(e).__name__}: {str(e)[:120]}" if e is not None else "a result"))
+        r = differential.SampleResult("passed" if ok else "failed", why, kind="contract")
+    elif c.expect_error:
+        e = got.error
+        ok = e is not None and str(e).startswith(c.expect_error)
+        why = "" if ok else f"expected the error {c.expect_error!r}, got " + (
+            f"{type(e).__name__}: {str(e)[:120]}" if e is not None else "a result")
+        r = differential.SampleResult("passed" if ok else "failed", why, kind="contract")
+    else:
+        e = got.error
+        why = "" if e is None else f"sim raised {type(e).__name__}: {str(e)[:160]}"
+        r = differential.SampleResult("failed" if e is not None else "passed", why, kind="contract")
+    if r.status == "failed":
+        r.klass = c.klass if r.klass != "dispatch_stub" else r.klass
+    r.aten_ops = got.ops
+    return r
