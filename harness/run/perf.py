@@ -37,9 +37,16 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.speed import median_ranks, ratios, summarize, top_ops
+
+if TYPE_CHECKING:  # types only: perf runs after the target side, never imported by it
+    import torch
+
+    from harness.backends import Adapter
+    from harness.run.modes import Plan
+    from harness.run.target import TargetSide
 
 DEFAULT_BUDGET_S = 1.0  # at most this many seconds of timed rounds per model (all steps together), after warm-up
 WARMUP = 2  # rounds
@@ -269,7 +276,7 @@ def _op_timer(clock_ns: Callable[[], int]) -> Any:
 
 
 def op_profile(step: Step, clock: tuple[str, Callable[[], float]] = ("thread-cpu", time.thread_time), *,
-               rounds: int = PROFILE_ROUNDS, step_s: float | None = None, activity: Any = None,
+               rounds: int = PROFILE_ROUNDS, step_s: float | None = None, activity: torch.profiler.ProfilerActivity | None = None,
                compiled: bool = False) -> dict[str, Any]:
     """Self time per op per step (µs) on the clock the step is timed on, over ``rounds`` steps after one
     warm-up step (every op's total over them divided by the same count, so the ops add up to the profiled
@@ -304,7 +311,8 @@ def op_profile(step: Step, clock: tuple[str, Callable[[], float]] = ("thread-cpu
     return _against_step(out, step_s)
 
 
-def _profiler_profile(step: Step, activity: Any, rounds: int, *, host: bool) -> dict[str, Any] | None:
+def _profiler_profile(step: Step, activity: torch.profiler.ProfilerActivity | None, rounds: int, *,
+                      host: bool) -> dict[str, Any] | None:
     """torch.profiler's self time per ATen op per step: the device's where it recorded any, else (``host``)
     the host's; None when neither."""
     from torch.profiler import ProfilerActivity, profile
@@ -369,7 +377,7 @@ def profile_rounds(target_s: float | None) -> int:
 
 
 def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock: tuple[str, Callable[[], float]] = (
-            "wall", time.perf_counter), profile: Step | None = None, activity: Any = None,
+            "wall", time.perf_counter), profile: Step | None = None, activity: torch.profiler.ProfilerActivity | None = None,
             reset_peak: Callable[[], None] | None = None, peak_mb: Callable[[], float | None] | None = None,
             adaptive: bool = True, compiled: bool = False) -> dict[str, Any]:
     """Time ``steps`` (`time_rounds`) on ``clock`` (the one the target's adapter says measures its device;
@@ -393,7 +401,7 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
 
 
 def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[], float]], profile: Step | None,
-           activity: Any, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
+           activity: torch.profiler.ProfilerActivity | None, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
            perf: dict[str, Any], fields: dict[str, Any], adaptive: bool, compiled: bool) -> None:
     peak_kept = peak_mb is not None
     if peak_kept and reset_peak is not None:
@@ -445,8 +453,8 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:300]}{at}"
 
 
-def measure_model(plan: Any, cpu_model: Any, target: Any, device: str, adapter: Any, settings: dict[str, Any],
-                  budget_s: float, *, compiled: bool = False) -> dict[str, Any]:
+def measure_model(plan: Plan, cpu_model: torch.nn.Module | None, target: TargetSide, device: str, adapter: Adapter,
+                  settings: dict[str, Any], budget_s: float, *, compiled: bool = False) -> dict[str, Any]:
     """`measure` for one model after its verdict: ``plan``'s step on the device model and inputs the
     target side left (`target.TargetSide`), under the backend's settings and synchronized, and on the CPU
     model (``cpu_model``; None when the model moved to the device in place: the target alone is timed).

@@ -140,10 +140,6 @@ def resolve(name: str) -> OpProfile:
     return prof
 
 
-def resolved_profiles() -> list[OpProfile]:
-    return list(_resolved.values())
-
-
 _applied: OpProfile | None = None
 
 
@@ -179,19 +175,3 @@ def start_trace() -> None:
 def stop_trace() -> set[str]:
     """Stop recording; the op names seen (``aten::name.overload``; the default overload is ``aten::name``)."""
     return set(ext.stop_trace())
-
-
-def unsupported_error(
-    func: torch._ops.OpOverload, *, missing_host_kernel: bool = False
-) -> NotImplementedError:
-    """The error a PrivateUse1 backend without a kernel for `func` raises, naming why sim has none."""
-    name = op_name(func)
-    if missing_host_kernel:
-        why = f"sim runs ops on host (CPU) kernels, and the CPU has no kernel for '{name}' with these args."
-    else:
-        why = f"'{name}' is not in the sim op profile '{_switch.get().name}' (set {OPS_ENV}=full to allow all)."
-    return NotImplementedError(
-        f"Could not run '{name}' with arguments from the 'sim' backend. This could be because the "
-        f"operator doesn't exist for this backend, or was omitted during the selective/custom build "
-        f"process. {why}"
-    )
