@@ -183,11 +183,15 @@ KEEP_SHARE, KEEP_OPS = 0.001, 40  # what a row's op profile keeps (`top_ops`)
 
 def unseen_us(profile: Mapping[str, Any]) -> float:
     """The most self time an op missing from `profile` can have had: a row's keeps the ops of at least
-    KEEP_SHARE of the total, KEEP_OPS at most; a committed baseline says what it dropped (``floor_us``)."""
+    KEEP_SHARE of the total, KEEP_OPS at most; a committed baseline says what it dropped (``floor_us``);
+    none when the list holds the whole total (the op did not run: it is new, or gone)."""
     if profile.get("floor_us") is not None:
         return float(profile["floor_us"])
     kept = [us for _, us in _pairs(profile.get("ops") or [])]
-    floor = KEEP_SHARE * float(profile.get("total_us") or 0)
+    total = float(profile.get("total_us") or 0)
+    if len(kept) < KEEP_OPS and sum(kept) >= 0.99 * total:
+        return 0.0  # the list holds (nearly) all of the time: an op it does not list did not run
+    floor = KEEP_SHARE * total
     return max(floor, min(kept)) if len(kept) >= KEEP_OPS else floor
 
 

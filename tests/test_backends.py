@@ -33,6 +33,7 @@ def test_import_torch_works_with_both_installed(toy_python: Path) -> None:
     assert r.stdout.split() == ["toy", "1"]  # autoloaded by its entry point; sim did not claim PrivateUse1
 
 
+@pytest.mark.long
 def test_check_names_the_missing_op(toy_python: Path, tmp_path: Path) -> None:
     for extra in (["--backend", "npu_toy"], []):  # explicit module, or the entry point alone
         r = run_cli(toy_python, "check", "tiny/bert/base", "--target", "toy", "--json", *extra)
@@ -43,6 +44,7 @@ def test_check_names_the_missing_op(toy_python: Path, tmp_path: Path) -> None:
         assert row["device"] == "toy:0"
 
 
+@pytest.mark.long
 def test_smoke_run_classifies_every_standard_message(toy_python: Path, tmp_path: Path) -> None:
     db = tmp_path / "toy.db"
     r = run_cli(toy_python, "run", "--list", "smoke", "--target", "toy", "--backend", "npu_toy", "--db", str(db),
@@ -80,6 +82,7 @@ for f in (lambda: x.sort(stable=True), lambda: torch.zeros(3, dtype=torch.long).
     assert r.stdout.split("\n")[:2] == ["aten::sort.stable -", "aten::index_add int64"]
 
 
+@pytest.mark.long
 def test_device_death_mid_run_is_a_device_error_then_quarantine_then_resume(toy_python: Path, tmp_path: Path) -> None:
     # long enough that the death lands mid-run even when this test's own polling is starved of CPU
     pairs = [("bert", "base"), ("gpt2", "base"), ("llama", "base"), ("t5", "base"), ("vit", "base"),
@@ -130,6 +133,7 @@ def test_device_death_mid_run_is_a_device_error_then_quarantine_then_resume(toy_
     [("foo", "torch knows no device 'foo'"), ("meta", "meta device holds no data"),
      ("sim:7", "device index 7 out of range"), ("", "--target is empty"), ("cuda", "no cuda device")],
 )
+@pytest.mark.long
 def test_bad_targets_exit_2_before_any_row(tmp_path: Path, target: str, message: str) -> None:
     db = tmp_path / "r.db"
     lst = tmp_path / "l.csv"
@@ -142,6 +146,7 @@ def test_bad_targets_exit_2_before_any_row(tmp_path: Path, target: str, message:
     assert r.returncode == 2 and message in r.stderr
 
 
+@pytest.mark.long
 def test_sim_only_options_and_bad_backend_modules_are_refused(tmp_path: Path) -> None:
     for opts, message in ((["--ops", "full"], "--ops is not an option of the cpu backend"),
                           (["--fault", "sim:0=nan:1.0"], "--fault is not an option of the cpu backend"),

@@ -53,6 +53,7 @@ def unfinished_run(db: Path, lst: Path, done: list[str], settings=EXACT_SETTINGS
 # 1. validation before any run row; --resume never picks an empty run ------------------------------
 
 
+@pytest.mark.long
 def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from harness.cli import main as cli_main
@@ -89,6 +90,7 @@ def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path,
 # 3. worker start-up deadline ------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_workers_that_never_start_end_the_run_with_a_clear_error(tmp_path: Path, monkeypatch) -> None:
     from harness.fleet.runner import RunConfig, WorkerStartupError, run_models
     from harness.models.model_list import load_model_list
@@ -169,6 +171,7 @@ def test_damaged_pages_are_refused_and_the_file_left_alone(tmp_path: Path) -> No
 # 7. a run's identity: shard, seed, fault injection ------------------------------------------------------
 
 
+@pytest.mark.long
 def test_resume_matches_shard_seed_and_faults(tmp_path: Path) -> None:
     lst = a_list(tmp_path)
     db = tmp_path / "r.db"
@@ -195,6 +198,7 @@ def test_resume_matches_shard_seed_and_faults(tmp_path: Path) -> None:
 # 8. device errors are never a model's result ------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_device_errors_rerun_on_a_healthy_device(tmp_path: Path) -> None:
     db = tmp_path / "r.db"
     env = {"PORTHARNESS_SIM_DEVICES": "3", "PORTHARNESS_SIM_FAULTS": "sim:0=error:1.0;sim:1=error:1.0"}
@@ -273,6 +277,7 @@ def _start_mid_run(tmp_path: Path, patho, name: str) -> tuple[subprocess.Popen, 
     return proc, db, args
 
 
+@pytest.mark.long
 def test_sigterm_stops_cleanly_and_resumably(tmp_path: Path, patho) -> None:
     proc, db, args = _start_mid_run(tmp_path, patho, "term")
     sid = os.getsid(proc.pid)
@@ -285,6 +290,7 @@ def test_sigterm_stops_cleanly_and_resumably(tmp_path: Path, patho) -> None:
         assert len(st.results()) == 2 and not st.runs().iloc[0].finished_at
 
 
+@pytest.mark.long
 def test_kill_9_of_the_supervisor_leaves_no_process(tmp_path: Path, patho) -> None:
     proc, db, args = _start_mid_run(tmp_path, patho, "kill")
     sid = os.getsid(proc.pid)
@@ -393,6 +399,7 @@ def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path, capsys:
     assert r.returncode == 2 and "--seed -1" in one_line(r.stderr) and r.stdout == "", r.stderr[-2000:]
 
 
+@pytest.mark.long
 def test_ray_executor_bad_input_is_one_line(tmp_path: Path) -> None:
     """Ray missing, an address that answers nothing or is no address, an address without the Ray executor:
     one line each, exit 2, nothing written (no Ray cluster needed)."""
@@ -438,6 +445,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.long
 def test_hostile_backend_modules_are_named_and_stopped(tmp_path: Path) -> None:
     for name, (code, _) in HOSTILE.items():
         (tmp_path / f"{name}.py").write_text(code)
@@ -532,6 +540,7 @@ def test_matrix_shows_control_characters_instead_of_running_them(tmp_path: Path)
     assert "\x1b" not in r.stdout and "evil\\x1b[2J\\x1b[31mred" in r.stdout and "tag[/b]markup" in r.stdout
 
 
+@pytest.mark.long
 def test_ctrl_c_to_the_process_group_prints_one_clean_message(tmp_path: Path, patho) -> None:
     proc, db, _ = _start_mid_run(tmp_path, patho, "intr")
     sid = os.getsid(proc.pid)

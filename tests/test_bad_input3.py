@@ -287,6 +287,7 @@ def test_the_speed_gate_names_only_ops_both_sides_measured(tmp_path: Path) -> No
 # cause 8: unreadable allowlist and flaky files --------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_unreadable_allowlists_name_the_option_the_file_and_why(tmp_path: Path) -> None:
     db = tmp_path / "n.db"
     _perf_db(db, {"tiny/a": _perf(1.0, PROFILE, 10500.0)})
@@ -373,6 +374,7 @@ def black_hole(conn: socket.socket) -> None:
             continue
 
 
+@pytest.mark.long
 def test_a_ray_address_that_answers_but_is_not_ray_is_one_line_in_bounded_time(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     lst = a_list(tmp_path)
@@ -414,6 +416,7 @@ def test_usage_errors_are_one_line_and_help_stays_whole() -> None:
 # the decision: a read-only, pre-filled shared reference cache is read, and nothing is stored in it ----------------
 
 
+@pytest.mark.long
 def test_a_read_only_shared_reference_cache_is_read_without_storing(tmp_path: Path, private_mounts) -> None:
     lst = a_list(tmp_path)
     filled = tmp_path / "filled"

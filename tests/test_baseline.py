@@ -284,6 +284,7 @@ def _two_nights(tmp: Path) -> dict[str, Path | str]:
     return {"db": db, "list": lst, "profile": prof, "dir": tmp, **ids}
 
 
+@pytest.mark.long
 def test_real_round_trip_planted_regression_and_fix(two_nights: dict) -> None:
     db, tmp = str(two_nights["db"]), two_nights["dir"]
     exp = tmp / "expected.csv"
@@ -309,6 +310,7 @@ def test_real_round_trip_planted_regression_and_fix(two_nights: dict) -> None:
     assert cli("baseline", "check", "--db", db, "--expected", str(exp), "--run", two_nights["good"]).returncode == 0
 
 
+@pytest.mark.long
 def test_real_flaky_rerun_with_a_probabilistic_sim_fault(two_nights: dict, tmp_path: Path) -> None:
     """NaN faults with a small per-launch probability on both devices: gpt2's outputs turn non-finite in
     about half its forwards, so its attempts disagree; --rerun-flaky samples it 6 more times and the

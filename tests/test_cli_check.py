@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.sim.opset import PROFILE_DIR
 
 
@@ -56,6 +58,7 @@ def test_missing_op_is_reported_by_name(tmp_path: Path) -> None:
     assert "Could not run 'aten::gelu'" in row["error_message"]
 
 
+@pytest.mark.long
 def test_injected_nan_is_drift_localized_to_a_module() -> None:
     code, row, _ = check("tiny/bert/base", "--precision", "highest", "--fault", "sim:0=nan:1.0")
     assert code == 1
@@ -64,6 +67,7 @@ def test_injected_nan_is_drift_localized_to_a_module() -> None:
     assert "non-finite" in row["error_message"]
 
 
+@pytest.mark.long
 def test_flex_attention_is_an_unsupported_op() -> None:
     code, row, _ = check("tiny/llama/causal-lm", "--precision", "highest", "--ops", "full", "--attn", "flex_attention")
     assert code == 1

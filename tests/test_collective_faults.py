@@ -267,6 +267,7 @@ def _check_matrix(matrix, *, timeout_s: float) -> None:
     assert [ref.restart_step for ref in matrix.references] == [5]
 
 
+@pytest.mark.long
 def test_fault_matrix_on_sim_world_2() -> None:
     """Every scenario on the sim process group (sim device faults), with a hot spare."""
     from harness.bench.faultmatrix import run_matrix
@@ -276,6 +277,7 @@ def test_fault_matrix_on_sim_world_2() -> None:
     _check_matrix(run_matrix(cfg), timeout_s=cfg.timeout_s)
 
 
+@pytest.mark.long
 def test_fault_matrix_on_gloo_world_4_via_cli(tmp_path) -> None:
     """Every scenario on gloo (injected at the collective) through the CLI: JSON, rows, report page."""
     from harness.bench.faultmatrix import FaultMatrix
@@ -316,6 +318,7 @@ def test_fault_matrix_on_gloo_world_4_via_cli(tmp_path) -> None:
     assert "NaN caught before the optimizer step" in page and "flagged as a straggler" in page
 
 
+@pytest.mark.long
 def test_no_spare_world_3_healthy_ranks_exit_cleanly() -> None:
     """Without a spare the job stops; the survivors get an error (not a hang) and leave by themselves."""
     from harness.bench.faultrun import run_scenarios
@@ -331,6 +334,7 @@ def test_no_spare_world_3_healthy_ranks_exit_cleanly() -> None:
     assert hang.exit_codes["r0"] == -9  # evicted by the supervisor
 
 
+@pytest.mark.long
 def test_job_deadline_kills_the_scenario() -> None:
     """A job that cannot finish in its deadline is killed, with every process, and says so."""
     from harness.bench.faultrun import run_scenario

@@ -182,10 +182,12 @@ def _spawn(tmp_path, world: int, specs: list[str], ddp_specs: list[str]) -> None
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_every_collective_and_setting_matches_gloo_and_ddp_world_2(tmp_path) -> None:
     _spawn(tmp_path, 2, SETTINGS_2, DDP_SETTINGS)
 
 
+@pytest.mark.long
 def test_per_host_with_two_hosts_matches_gloo_world_4(tmp_path) -> None:
     # World 2 cannot have two multi-rank hosts; this is where the inter-host stage really runs.
     _spawn(tmp_path, 4, SETTINGS_4, [])

@@ -221,6 +221,7 @@ def test_the_planted_compiler_bug_leaves_a_tanh_gelu_model_alone(tmp_path: Path)
     assert gpt2["outcome"] == "pass_declared" and not gpt2["eager_outcome"]
 
 
+@pytest.mark.long
 def test_compile_failures_graph_breaks_and_a_vendors_backend(tmp_path: Path, patho) -> None:
     """Through the runner: an op Dynamo cannot trace is compile_fail in its trace, eager passes; a branch
     on a tensor's value is a graph break named on the row and its model page; a vendor's backend whose
@@ -267,6 +268,7 @@ def test_compile_failures_graph_breaks_and_a_vendors_backend(tmp_path: Path, pat
     assert len(rows(vdb)) == 1
 
 
+@pytest.mark.long
 def test_a_missing_op_in_compiled_code_is_unsupported_op_and_eager_fails_too(tmp_path: Path) -> None:
     """Run time of compiled code: the graph calls aten::sort.stable, which sim's young profile lacks. The
     row stays unsupported_op (the device's gap, not the compiler's) and says eager fails the same way."""
@@ -279,6 +281,7 @@ def test_a_missing_op_in_compiled_code_is_unsupported_op_and_eager_fails_too(tmp
     assert row["error_message"].startswith("eager on sim:0 fails too (unsupported_op: aten::sort.stable)")
 
 
+@pytest.mark.long
 def test_a_compile_past_its_own_deadline_is_a_timeout_that_leaves_no_process(tmp_path: Path) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows([("bert", "base")]))
@@ -305,6 +308,7 @@ def test_a_compile_past_its_own_deadline_is_a_timeout_that_leaves_no_process(tmp
 # -- autocast ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_amp_runs_the_target_under_autocast_judged_by_the_cpus(tmp_path: Path) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("llama", "base")]))

@@ -74,6 +74,7 @@ def test_a_clean_device_is_confirmed_and_confirm_off_skips_it() -> None:
     assert off["outcome"] == "pass_declared" and off["confirm"] == "" and "confirm" not in off["phases"]
 
 
+@pytest.mark.long
 def test_a_kv_cache_bug_is_named_at_the_step_it_starts_at_default_precision_too() -> None:
     bug = "kv_cache:3e-2:3"
     assert one("tiny/gpt2/causal-lm", bug, mode="generate", confirm="off")["outcome"] == "pass_declared"
@@ -93,6 +94,7 @@ def test_autocast_cannot_be_confirmed_and_says_so() -> None:
 # -- through the real CLI: the bug in the workers as a backend module --------------------------------------
 
 
+@pytest.mark.long
 def test_a_normalization_bug_the_declared_precision_hides_is_a_drift_named_at_full_precision(tmp_path: Path) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text("id,source,arch,task,modality\ntiny/bert/base,tiny,bert,base,text\n")

@@ -217,6 +217,7 @@ def _run_script(
     )
 
 
+@pytest.mark.long
 def test_nightly_local_pipeline(tmp_path: Path) -> None:
     night1, night2 = tmp_path / "n1", tmp_path / "n2"
     first = _run_script(tmp_path, "good.py", night1, shards=3, PARALLEL="1", UPDATE_BASELINE="1")
@@ -318,6 +319,7 @@ def _check_three_nights(tmp_path: Path, nights: dict[str, subprocess.CompletedPr
     assert matrix.count("precision=highest") >= 1 and matrix.count("precision=default") >= 1  # one site, both
 
 
+@pytest.mark.long
 def test_nightly_local_three_nights_real_runner(tmp_path: Path) -> None:
     """The whole night here, with the real runner on the first two smoke models per setting."""
     nights = _three_nights(tmp_path, "smoke", shards=1, limit="2")

@@ -82,6 +82,7 @@ def clean(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(("kind", "user", "op", "bystander"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.long
 def test_planted_bug_is_drift_localized_to_its_op(tmp_path: Path, clean, kind, user, op, bystander) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows([user, bystander]))

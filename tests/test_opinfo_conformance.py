@@ -51,6 +51,7 @@ def _check(op, limit: int | None) -> None:
 
 
 @pytest.mark.parametrize("op", _params(slow=False))
+@pytest.mark.long
 def test_opinfo_matches_cpu_exactly(op):
     _check(op, LIMIT)
 

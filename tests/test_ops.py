@@ -226,6 +226,7 @@ def cli(python: Path, *args: str, env: dict | None = None, timeout: float = 600)
                           timeout=timeout, env={**base, **(env or {})})
 
 
+@pytest.mark.long
 def test_a_kernel_that_crashes_or_hangs_the_device_is_that_variations_alone(toy_python: Path, tmp_path: Path) -> None:
     """The rude test backend: layer norm's kernel segfaults the process, addmm's hangs. Those two variations
     are crash and timeout, every other variation passes, and the one device stays in service."""

@@ -327,6 +327,7 @@ def test_planted_slowdown_is_caught_and_the_op_named(tmp_path: Path) -> None:
     assert all("softmax" in r["op"] for r in flagged.values()), flagged
 
 
+@pytest.mark.long
 def test_timed_steps_of_a_run_with_two_workers_take_the_host_alone_and_leave_no_lock(tmp_path: Path) -> None:
     """--perf with two workers: each worker's phases go through the run's quiet lock (harness.fleet.quiet;
     its ordering is tests/test_quiet.py), every timed model keeps its speed, and the lock files go with

@@ -102,6 +102,7 @@ def run_args(lst: Path, db: Path, cluster: Cluster, *extra: str) -> list[str]:
             "--quiet", *extra]
 
 
+@pytest.mark.long
 def test_a_list_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, cluster: Cluster) -> None:
     lst = tmp_path / "mixed.csv"
     lst.write_text(LIST_HEADER + list_rows(SMOKE))

@@ -175,6 +175,7 @@ def _results(db: Path):
         return st.results(st.latest_run())
 
 
+@pytest.mark.long
 def test_every_page_loads_cleanly(
     driver: webdriver.Chrome, site: Path, synthetic_db: Path, artifacts: Path
 ) -> None:

@@ -85,6 +85,7 @@ class ToyServer:
 
 
 @SHAPES_SLOW
+@pytest.mark.long
 def test_late_errors_stay_with_the_model_that_caused_them(toy_python: Path, tmp_path: Path, shape: str) -> None:
     """25.2: bert's layer norm fails, reported at the next synchronizing call; bert stops at a missing op
     before one. The next model (which passes alone) must not inherit the error; run and check agree on
@@ -124,6 +125,7 @@ def test_a_healthy_single_device_run_finishes_with_its_device_in_service(toy_pyt
 
 
 @pytest.mark.parametrize("shape", ["plain", "synthetic"])
+@pytest.mark.long
 def test_a_lost_device_server_is_the_devices_then_resume_finishes_the_run(toy_python: Path, tmp_path: Path,
                                                                           shape: str) -> None:
     """25.3, 25.6 and 32.1: no device server at all, or one dying mid-run, gives device_error rows only,
@@ -184,6 +186,7 @@ def test_a_lost_device_server_is_the_devices_then_resume_finishes_the_run(toy_py
 
 
 @SHAPES_SLOW
+@pytest.mark.long
 def test_resume_prints_the_whole_runs_counts(toy_python: Path, tmp_path: Path, shape: str) -> None:
     """25.6: a run stopped by a dead device, resumed: the summary is the run's, not the resumed part's."""
     none = build(tmp_path, "none")
@@ -209,6 +212,7 @@ WORDINGS = [("cannot", "remote"), ("bare", "dtype"), ("kernel", "kernel")]  # (e
     ("synthetic", [("kernel", "remote")]),  # the shape decides the relayed one: always
     pytest.param("synthetic", WORDINGS, marks=pytest.mark.slow, id="synthetic-all"),
 ])
+@pytest.mark.long
 def test_each_real_wording_of_a_missing_op_names_the_op(toy_python: Path, tmp_path: Path, shape: str,
                                                         wordings: list[tuple[str, str]]) -> None:
     """25.4 and 32.1/32.4: kernels broken in each backend's words: unsupported_op naming the ATen op every
@@ -228,6 +232,7 @@ def test_each_real_wording_of_a_missing_op_names_the_op(toy_python: Path, tmp_pa
 
 
 @SHAPES_SLOW
+@pytest.mark.long
 def test_a_kernel_with_a_wrong_shape_is_a_drift_naming_it(toy_python: Path, tmp_path: Path, shape: str) -> None:
     """25.5: layer norm's mean/rstd come back a dimension short: the op check's finding, not a crash."""
     lst = patho_list(tmp_path / "l.csv", {"z/norm": build(tmp_path, "norm")})
@@ -241,6 +246,7 @@ def test_a_kernel_with_a_wrong_shape_is_a_drift_naming_it(toy_python: Path, tmp_
 
 
 @SHAPES_SLOW
+@pytest.mark.long
 def test_a_device_that_kills_every_model_is_quarantined_not_the_models(toy_python: Path, tmp_path: Path,
                                                                         shape: str) -> None:
     """25.8 on one device: every model's worker segfaults; nothing ever survives there. The device is
@@ -254,6 +260,7 @@ def test_a_device_that_kills_every_model_is_quarantined_not_the_models(toy_pytho
     assert got and {x["outcome"] for x in got.values()} == {"device_error"}, got
 
 
+@pytest.mark.long
 def test_two_devices_that_kill_or_hang_are_quarantined_and_the_spare_decides(tmp_path: Path) -> None:
     """25.8: three sim devices, one spare; sim:0 and sim:1 segfault (then: hang) on every kernel. Both
     are quarantined, the spare comes in, every model's result comes from sim:2."""
@@ -270,6 +277,7 @@ def test_two_devices_that_kill_or_hang_are_quarantined_and_the_spare_decides(tmp
             assert (row["outcome"], row["device"]) == ("pass", "sim:2"), (kind, row["model_id"], row["attempts"])
 
 
+@pytest.mark.long
 def test_memory_exhaustion_is_oom_and_a_cap_too_small_for_the_worker_is_one_error(tmp_path: Path) -> None:
     """25.9: a forward that exhausts the capped allocator on the CPU reference is `oom` (reference phase),
     not ref_fail; a cap too small for the worker's own imports stops the run once (exit 2), no rows."""
@@ -301,6 +309,7 @@ def _whose(db: Path) -> dict[str, tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("backend", ["toy", "sim"])
+@pytest.mark.long
 def test_compiled_rows_say_the_same_without_the_cache_filling_it_and_warm(toy_python: Path, tmp_path: Path,
                                                                           backend: str) -> None:
     """32.2: a compiled row that fails is re-checked eagerly on the same device; with the reference cache
@@ -333,6 +342,7 @@ def test_compiled_rows_say_the_same_without_the_cache_filling_it_and_warm(toy_py
 
 
 @SHAPES_SLOW
+@pytest.mark.long
 def test_perf_on_a_backend_without_memory_statistics_keeps_its_timing(toy_python: Path, tmp_path: Path,
                                                                        shape: str) -> None:
     """32.3: the toy keeps no allocator statistics (torch.accelerator says its allocator is not a

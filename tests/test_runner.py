@@ -106,6 +106,7 @@ def test_crash_and_memory_runaway_cost_only_their_rows(tmp_path: Path, patho) ->
     assert all(r["peak_rss_mb"] and r["peak_rss_mb"] > 50 for r in got.values() if r["outcome"] == "pass")
 
 
+@pytest.mark.long
 def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path, patho) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text(HEADER + patho.rows(dict([patho("hang"), patho("none")])))
@@ -124,6 +125,7 @@ def test_hanging_model_times_out_and_the_run_completes(tmp_path: Path, patho) ->
     assert summary.unfinished == 0 and time.monotonic() - t0 < 300
 
 
+@pytest.mark.long
 def test_loading_has_its_own_budget(tmp_path: Path, patho) -> None:
     """A load longer than --timeout is fine (the budget for running starts when loading ends); a load
     longer than --load-timeout is a timeout that says it was still loading."""
@@ -139,6 +141,7 @@ def test_loading_has_its_own_budget(tmp_path: Path, patho) -> None:
     assert hung["outcome"] == "timeout" and "still loading after 20s (--load-timeout)" in hung["error_message"]
 
 
+@pytest.mark.long
 def test_kill_9_then_resume_loses_nothing(tmp_path: Path, patho) -> None:
     # A hanging model guarantees the run is still going when it is killed; on resume it times out.
     hang = patho.rows(dict([patho("hang")]))

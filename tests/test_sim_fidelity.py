@@ -49,6 +49,7 @@ def test_contract(case: contracts.Contract):
 
 
 @pytest.mark.parametrize("oid", [o for o in FOCUS if o in _DB])
+@pytest.mark.long
 def test_opinfo_focus(oid: str):
     results = conformance.run_op(_DB[oid], limit=LIMIT, mode="highest", exact=True, profile="full", dtypes=DTYPES,
                                  grads=True, errors=True, aliases=True)

@@ -200,6 +200,7 @@ def test_torch_save_and_load_like_a_cuda_tensor(tmp_path):
 # --- the native library ---------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_native_library_is_built_once_into_the_extensions_cache(tmp_path):
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
     code = "import torch, harness.sim.native as n\nprint(n.library_path())\n"

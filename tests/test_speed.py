@@ -165,7 +165,10 @@ def test_the_added_time_is_the_target_steps_own_and_only_ops_both_sides_list_are
     assert "aten::addmm self time 2.0x (90% of the added time)" in change.detail, change.detail
     assert "gelu" not in change.detail
     complete = {**base, "profile": {**base["profile"], "total_us": 670.0}}  # the same list, now all of it
-    assert {o.op for o in speed.op_shifts(base["profile"], head["profile"], added_us=400.0)} == {"aten::addmm"}
+    kept = {**base["profile"], "floor_us": 300.0}  # a committed baseline: what it dropped had at most 300 us
+    shifts = speed.op_shifts(kept, head["profile"], added_us=400.0)
+    assert shifts[0].op == "aten::addmm" and not shifts[0].at_least
+    assert [(o.op, o.at_least, o.base_us) for o in shifts[1:]] == [("aten::gelu", True, 300.0)]  # at least 1.1x
     new = speed.op_shifts(complete["profile"], head["profile"], added_us=400.0)
     assert {o.op for o in new} == {"aten::addmm", "aten::gelu"} and math.isinf(new[1].factor)
 

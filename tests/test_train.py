@@ -69,6 +69,7 @@ def test_planted_gradient_bug_is_drift_named_by_parameter_and_kernel() -> None:
     assert row["metrics"]["grad/bert.embeddings.LayerNorm.bias"]["ok"] is True  # only weight gradients scaled
 
 
+@pytest.mark.long
 def test_the_same_bug_at_default_precision_still_names_a_layernorm() -> None:
     """Under bf16 matmuls the 1e-3 gradient error hides in the declared envelope; the kernel check
     still finds it, and the row names the parameter that kernel takes."""
@@ -79,6 +80,7 @@ def test_the_same_bug_at_default_precision_still_names_a_layernorm() -> None:
     assert clean["outcome"] == "pass_declared" and clean["first_drift_param"] == ""
 
 
+@pytest.mark.long
 def test_a_drifting_kernel_without_a_parameter_still_names_one() -> None:
     """DPT's fixed-reduction loss (a mean over the depth map, outside every module) is the first kernel
     the planted bf16 accumulation throws off; its gradients stay inside the declared envelope."""
@@ -173,6 +175,7 @@ def test_lost_gradient_and_unreachable_randomness(tmp_path: Path, patho) -> None
     assert got["patho/none"]["outcome"] == "pass"
 
 
+@pytest.mark.long
 def test_mode_is_part_of_the_run_identity_and_the_matrix(tmp_path: Path) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("gpt2", "causal-lm")]))

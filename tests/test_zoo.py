@@ -108,6 +108,7 @@ def fake_check(model_type: str, task: str) -> dict[str, Any]:
     return {"arch": model_type, "task": task, "status": "ok"}
 
 
+@pytest.mark.long
 def test_pool_survives_crashes_hangs_and_memory_hogs() -> None:
     items = [("ok1", "base"), ("segfault", "base"), ("hang", "base"), ("hog", "base"), ("raise", "base"),
              ("ok2", "base")]

@@ -63,6 +63,7 @@ def test_smoke_list_on_the_young_default_backend(tmp_path: Path) -> None:
             assert r["unsupported_op"].startswith("aten::") or r["unsupported_op"] == "flex_attention"
 
 
+@pytest.mark.long
 def test_smoke_list_in_train_mode(tmp_path: Path) -> None:
     """One training step per model at default settings: gradients and updates stay inside the declared
     precision; what fails is a missing (backward) op, named."""
