@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="portharness",
                 description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     ap.add_argument("--version", action="version", version=_version())
+    # how a row's check command is spelled travels with the arguments: the commands need not import this module
+    ap.set_defaults(check_command=check_command)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "

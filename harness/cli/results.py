@@ -74,12 +74,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     import time
 
-    from harness.cli.options import check_command
     from harness.report import build_report
 
     t0 = time.perf_counter()
     index = build_report(args.db, args.out, run_id=args.run, base_run=args.base, base_db=args.base_db,
-                         opinfo_csv=args.opinfo, history=args.history, night=args.night, command=check_command)
+                         opinfo_csv=args.opinfo, history=args.history, night=args.night, command=args.check_command)
     print(f"report written to {index} in {time.perf_counter() - t0:.2f}s "
           f"(open it from disk: file://{index.resolve()})")
     return 0

@@ -271,12 +271,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.never_worked:
         print(f"portharness: {summary.never_worked}", file=sys.stderr)
     if args.report:
-        from harness.cli.options import check_command
         from harness.files import OutputError
         from harness.report import build_report
 
         try:
-            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id, command=check_command)}",
+            print(f"report: {build_report(args.db, args.report, run_id=summary.run_id, command=args.check_command)}",
                   file=human)
         except OutputError as e:
             print(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report again with "

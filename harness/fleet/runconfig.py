@@ -41,7 +41,7 @@ class RunConfig:
     executor: str = "local"  # local: worker processes on this host; ray: one actor per device of a Ray cluster
     ray_address: str | None = None  # auto, HOST:PORT, ray://HOST:PORT; None: a Ray instance of this host alone
     perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
-    perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.perf.DEFAULT_BUDGET_S)
+    perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.context.DEFAULT_BUDGET_S)
     harvest: bool = False  # record each model's op calls as variations (run --harvest); not part of the run's identity
 
     @property

@@ -18,7 +18,8 @@ from harness.models.model_list import ModelEntry
 from harness.run.compare import Tolerance
 from harness.run.memory import PhaseClock
 from harness.run.modes import Mode, Plan
-from harness.run.perf import DEFAULT_BUDGET_S
+
+DEFAULT_BUDGET_S = 1.0  # at most this many seconds of timed rounds per model (all steps together), after warm-up
 
 
 @dataclass

@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from harness.run.context import DEFAULT_BUDGET_S
 from harness.speed import median_ranks, ratios, summarize, top_ops
 
 if TYPE_CHECKING:  # types only: perf runs after the target side, never imported by it
@@ -48,7 +49,6 @@ if TYPE_CHECKING:  # types only: perf runs after the target side, never imported
     from harness.run.modes import Plan
     from harness.run.target import TargetSide
 
-DEFAULT_BUDGET_S = 1.0  # at most this many seconds of timed rounds per model (all steps together), after warm-up
 WARMUP = 2  # rounds
 MIN_ROUNDS = 5  # samples a median and its interval need, whatever the budget
 ADAPT_MIN = 10  # rounds before an interval counts as tight: fewer leave the order statistics too coarse
