@@ -1,5 +1,5 @@
 """The stages of `harness/` import only the stages before them (README, "How it flows"), and no module is
-much over 500 lines: read from the code's own imports, every one of them (lazy ones inside functions too)."""
+much over 500 lines, and no import runs in a circle: read from the code's own imports, every one of them (lazy ones inside functions too)."""
 
 from __future__ import annotations
 
@@ -84,3 +84,16 @@ def test_no_module_is_much_over_500_lines() -> None:
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES + 10}
     assert not long, f"split these by concept: {long}"
+
+
+def test_no_import_circles() -> None:
+    """Within a stage too: no module reaches itself through imports (lazy ones and type-only ones count)."""
+    import graphlib
+
+    modules = _modules()
+    graph = {m: {i for i in _imports(m, p) if i in modules and i != m and not m.startswith(i + ".")}
+             for m, p in modules.items()}
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        pytest.fail("import circle: " + " -> ".join(e.args[1]))
