@@ -141,13 +141,17 @@ class Confirmation:
                        "highest precision: nothing to confirm it at")
             return None
         # An eager run's device model is left as it was (the step never changes it): run it again there.
+        # Most confirmations pass: the op check (a second, per-op run) is run only for one that does not.
         return replace(judged, name=f"confirmation at {highest.get('precision', 'highest')} precision",
                        phase="confirm", settings=highest, declared=declared,
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
-                       extra=False, timed=False)
+                       extra=False, timed=False, op_check=False, of=judged)
 
     def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
               rerun: Rerun) -> bool:
+        if (not variant.op_check and fields.get("outcome") not in PASSING and not fields.get("device_fault")
+                and variant.of is not None and variant.of.op_check):
+            fields = rerun(replace(variant, op_check=True))  # the op and module that drift, from that run
         return confirm_fields(row, fields, run.declared.name)
 
 
