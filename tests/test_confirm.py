@@ -19,7 +19,7 @@ import pytest
 
 from harness.models.model_list import find_entry
 from harness.run.pipeline import Task, run_one
-from harness.run.variants import CONFIRMED, HIDDEN, UNCONFIRMED, confirm_fields
+from harness.run.variants import CONFIRMED, HIDDEN, UNCONFIRMED, confirm_fields, locate_fields
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -48,6 +48,27 @@ def test_what_a_confirmation_run_makes_of_the_row(confirm: dict, outcome: str, m
         assert row["tokens_matched"] == 8  # what only the first run measured stays
         assert row["error_message"].startswith("the declared bf16-matmul precision hid a drift")
         assert "rmse ratio 3.7, declared ratio 0.75" in row["confirm_note"]
+
+
+DRIFT = {"outcome": "drift", "rmse_ratio": 40.0, "first_drift_step": 6, "first_drift_op": "aten::bmm",
+         "error_message": "step 6 beyond the declared precision"}
+
+
+@pytest.mark.parametrize(("located", "step", "op", "note"), [
+    ({"outcome": "drift", "first_drift_step": 3, "first_drift_op": "aten::index_copy_", "rmse_ratio": 9.0}, 3,
+     "aten::index_copy_", "located at the device's highest precision: step 3 (at bf16-matmul: 6); op aten::index_copy_"),
+    ({"outcome": "drift", "first_drift_step": 6, "first_drift_op": "aten::bmm"}, 6, "aten::bmm",
+     "located at the device's highest precision, where it starts at the same place"),
+    ({"outcome": "pass", "first_drift_step": None}, 6, "aten::bmm", "at the device's highest precision the step passes"),
+    ({"outcome": "crash", "error_message": "boom"}, 6, "aten::bmm", "at the device's highest precision the step crash"),
+])
+def test_where_a_drift_at_the_declared_precision_starts(located: dict, step: int, op: str, note: str) -> None:
+    """The drift's verdict and measures stay the declared run's; where it starts is the full-precision run's."""
+    row = dict(DRIFT)
+    locate_fields(row, located, "bf16-matmul")
+    assert (row["outcome"], row["rmse_ratio"], row["first_drift_step"], row["first_drift_op"]) == ("drift", 40.0, step, op)
+    assert row["confirm_note"].startswith(note) and "confirm" not in row
+    assert ("first seen at: step 3" in row["error_message"]) is (step == 3)
 
 
 # -- one model, in this process (the bugs planted and taken out again) ------------------------------------
@@ -83,6 +104,18 @@ def test_a_kv_cache_bug_is_named_at_the_step_it_starts_at_default_precision_too(
     assert highest["first_drift_step"] == row["first_drift_step"] == 3
     assert row["outcome"] == "drift" and row["confirm"] == HIDDEN
     assert row["tokens_matched"] is not None  # free-running decoding judged as before, from the first run
+
+
+@pytest.mark.long
+def test_a_drift_the_declared_precision_shows_late_is_located_at_full_precision() -> None:
+    """A bug big enough to drift at default precision too: rounding there hides its first steps, so the row
+    names the step the full-precision run finds (the step the bug starts at)."""
+    bug = "kv_cache:1e-1:3"
+    alone = one("tiny/gpt2/causal-lm", bug, mode="generate", confirm="off")
+    row = one("tiny/gpt2/causal-lm", bug, mode="generate")
+    assert alone["outcome"] == row["outcome"] == "drift" and alone["first_drift_step"] > 3
+    assert row["first_drift_step"] == 3 and row["confirm_note"].startswith("located at the device's highest precision")
+    assert row["rmse_ratio"] == alone["rmse_ratio"]  # the verdict's measures are the declared run's
 
 
 def test_autocast_cannot_be_confirmed_and_says_so() -> None:

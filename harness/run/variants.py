@@ -12,6 +12,8 @@ the target under other settings, and folds that run's verdict into the row:
   at the device's highest precision, judged by the fp32 rule (the adapter says how: `confirm_settings`).
   There rounding is gone, so what is left is a bug: the row becomes ``drift`` with the first drifting
   module, op and step named from that run. A device without such a mode leaves the row ``unconfirmed``.
+  A row that drifts at the declared precision runs there too, to be located: rounding can mask where a
+  drift starts (a decoding step, an op near the envelope); the verdict stays the declared run's.
 
 Both are the same mechanism: a variant, run through the pipeline's one path, and a merge rule. The
 merge rules are plain functions of the row's fields (tested without a device).
@@ -124,7 +126,11 @@ class Confirmation:
     """A ``pass_declared`` row, confirmed at the device's highest precision (see the module docstring)."""
 
     def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
-        if out.get("outcome") != "pass_declared" or run.settings.get("confirm") == "off":
+        if run.settings.get("confirm") == "off":
+            return None
+        if out.get("outcome") == "drift" and not out.get("device_fault") and not judged.declared.exact:
+            return self._locating(run, judged)
+        if out.get("outcome") != "pass_declared":
             return None
         highest = run.adapter.confirm_settings(judged.settings)
         if highest is None:
@@ -147,8 +153,23 @@ class Confirmation:
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
                        extra=False, timed=False, op_check=False, of=judged)
 
+    @staticmethod
+    def _locating(run: ModelRun, judged: Variant) -> Variant | None:
+        """A drift at the declared precision: rounding there can mask where it starts (a decoding step, an op
+        whose error is near the envelope), so it is located again at the highest precision, op check on."""
+        highest = run.adapter.confirm_settings(judged.settings)
+        declared = None if highest is None else contract(run.adapter.declared_precision(highest))
+        if declared is None or not declared.exact or judged.cfg.amp:
+            return None
+        return replace(judged, name="location at full precision", phase="confirm", settings=highest,
+                       declared=declared, source="fresh" if judged.cfg.compiled else "reuse",
+                       warmup=judged.cfg.compiled, extra=False, timed=False, of=None)
+
     def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
               rerun: Rerun) -> bool:
+        if variant.of is None:  # the location of a drift
+            locate_fields(row, fields, run.declared.name)
+            return False
         if (not variant.op_check and fields.get("outcome") not in PASSING and not fields.get("device_fault")
                 and variant.of is not None and variant.of.op_check):
             fields = rerun(replace(variant, op_check=True))  # the op and module that drift, from that run
@@ -183,6 +204,31 @@ def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) 
     out.update(confirm=UNCONFIRMED, confirm_note=f"the run at the device's highest precision did not finish "
                f"({outcome}: {why}): {str(confirm.get('error_message', ''))[:300]}")
     return False
+
+
+# Where a drift starts, as its run at the device's highest precision names it
+LOCATION = ("first_drift_step", "first_drift_op", "first_drift_op_module", "first_drift_op_inputs",
+            "first_drift_op_ratio", "first_drift_param", "first_drift_module", "first_drift_module_type", "repro_path")
+
+
+def locate_fields(out: dict[str, Any], located: dict[str, Any], declared: str) -> None:
+    """A row that drifts at the declared precision, after its run at the highest (`located`): where that run
+    drifts too, the first drifting step, op, parameter and module are its (rounding no longer masks them),
+    the verdict and its measures stay the declared run's, and the note says what moved."""
+    if located.get("outcome") != "drift":
+        what = located.get("outcome") or "did not finish"
+        out["confirm_note"] = (f"at the device's highest precision the step {'passes' if what in PASSING else what}"
+                               f": the drift is in the declared {declared} path")
+        return
+    found = {k: located[k] for k in LOCATION if located.get(k) not in (None, "")}
+    moved = [f"{k.removeprefix('first_drift_').replace('_', ' ')} {found[k]} (at {declared}: {out.get(k, '-')})"
+             for k in ("first_drift_step", "first_drift_op", "first_drift_module", "first_drift_param")
+             if k in found and found[k] != out.get(k)]
+    out.update(found)
+    out["confirm_note"] = "located at the device's highest precision" + (": " + "; ".join(moved) if moved else
+                                                                          ", where it starts at the same place")
+    if moved:
+        out["error_message"] = f"{out.get('error_message', '')}; at full precision it is first seen at: {'; '.join(moved)}"[:2000]
 
 
 FOLLOW_UPS: tuple[FollowUp, ...] = (Confirmation(), EagerRecheck())
