@@ -206,14 +206,15 @@ def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) 
     return False
 
 
-# Where a drift starts, as its run at the device's highest precision names it
+# Where a drift starts, as its run at the device's highest precision names it (not train's first drifting
+# parameter: that is the first in the model's order whose gradient drifts, and rounding gone, more do)
 LOCATION = ("first_drift_step", "first_drift_op", "first_drift_op_module", "first_drift_op_inputs",
-            "first_drift_op_ratio", "first_drift_param", "first_drift_module", "first_drift_module_type", "repro_path")
+            "first_drift_op_ratio", "first_drift_module", "first_drift_module_type", "repro_path")
 
 
 def locate_fields(out: dict[str, Any], located: dict[str, Any], declared: str) -> None:
     """A row that drifts at the declared precision, after its run at the highest (`located`): where that run
-    drifts too, the first drifting step, op, parameter and module are its (rounding no longer masks them),
+    drifts too, the first drifting step, op and module are its (rounding no longer masks them),
     the verdict and its measures stay the declared run's, and the note says what moved."""
     if located.get("outcome") != "drift":
         what = located.get("outcome") or "did not finish"
@@ -222,7 +223,7 @@ def locate_fields(out: dict[str, Any], located: dict[str, Any], declared: str) -
         return
     found = {k: located[k] for k in LOCATION if located.get(k) not in (None, "")}
     moved = [f"{k.removeprefix('first_drift_').replace('_', ' ')} {found[k]} (at {declared}: {out.get(k, '-')})"
-             for k in ("first_drift_step", "first_drift_op", "first_drift_module", "first_drift_param")
+             for k in ("first_drift_step", "first_drift_op", "first_drift_module")
              if k in found and found[k] != out.get(k)]
     out.update(found)
     out["confirm_note"] = "located at the device's highest precision" + (": " + "; ".join(moved) if moved else
