@@ -215,17 +215,22 @@ def harvested(store: ResultStore, model_ids: Iterable[str] | None, settings: Map
 
 def specs(store: ResultStore, ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
     """Variation id -> {"op", "spec", "source"}, the latest recorded (every variation when `ids` is None)."""
+    return {vid: {"op": r["op"], "spec": json.loads(r["spec"] or "{}"), "source": r["source"]}
+            for vid, r in _latest(store.raw_rows(VARIATIONS.name), ids).items()}
+
+
+def _latest(rows: Iterable[dict[str, Any]], ids: Iterable[str] | None) -> dict[str, dict[str, Any]]:
+    """Variation id -> its latest recorded row (by finished_at), of those in `ids` (None: all)."""
     wanted = None if ids is None else set(ids)
     out: dict[str, tuple[str, dict[str, Any]]] = {}
-    for r in store.raw_rows(VARIATIONS.name):
+    for r in rows:
         vid = r["variation_id"]
         if wanted is not None and vid not in wanted:
             continue
         when = r.get("finished_at") or ""
         if vid not in out or when >= out[vid][0]:
             out[vid] = (when, r)
-    return {vid: {"op": r["op"], "spec": json.loads(r["spec"] or "{}"), "source": r["source"]}
-            for vid, (_, r) in out.items()}
+    return {vid: r for vid, (_, r) in out.items()}
 
 
 # -- lean reads for the worklist: the columns it joins on, not whole rows ------------------------------------
@@ -251,19 +256,11 @@ def variation_meta(store: ResultStore, ids: Iterable[str] | None = None) -> dict
     for those)."""
     if not store._has_table(VARIATIONS.name):
         return {}
-    wanted = None if ids is None else set(ids)
     have = {r["name"] for r in store._query(f"SELECT name FROM pragma_table_info('{VARIATIONS.name}')")}
     inputs = "inputs" if "inputs" in have else "NULL AS inputs"
-    out: dict[str, tuple[str, dict[str, Any]]] = {}
     # a row written before `inputs` existed: described from its signature
     spec = "CASE WHEN inputs IS NULL THEN spec END AS spec" if "inputs" in have else "spec"
-    for r in store._query(f"SELECT variation_id, op, source, {inputs}, {spec}, finished_at FROM {VARIATIONS.name}"):
-        vid = r["variation_id"]
-        if wanted is not None and vid not in wanted:
-            continue
-        when = r.get("finished_at") or ""
-        if vid not in out or when >= out[vid][0]:
-            out[vid] = (when, r)
+    rows = store._query(f"SELECT variation_id, op, source, {inputs}, {spec}, finished_at FROM {VARIATIONS.name}")
     return {vid: {"op": r["op"], "source": r["source"],
                   "inputs": json.loads(r["inputs"]) if r["inputs"] is not None else describe(json.loads(r["spec"] or "{}"))}
-            for vid, (_, r) in out.items()}
+            for vid, r in _latest(rows, ids).items()}
