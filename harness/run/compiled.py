@@ -343,3 +343,14 @@ def _reason(text: str) -> str:
     lines = [x.strip() for x in str(text).splitlines() if x.strip()]
     return " ".join(lines[:3])[:300]
 
+
+@contextlib.contextmanager
+def compiling(cfg: Configuration, cache: str, announce: Callable[[str], None],
+              current: Callable[[], str]) -> Iterator[CompileWatch | None]:
+    """What a run of the target under `cfg` happens inside: compiled, its compile cache and a watch counting
+    the compilation (announced through `announce`, the phase read with `current`); eager, nothing."""
+    if not cfg.compiled:
+        yield None
+        return
+    with compile_cache(cache):
+        yield CompileWatch(announce, current)

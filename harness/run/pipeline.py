@@ -34,7 +34,7 @@ from harness.models.model_list import ModelEntry
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
-from harness.run.compiled import CompileWatch, Configuration, compile_cache
+from harness.run.compiled import Configuration, compiling
 from harness.run.context import ModelRun, Stop, Task, load
 from harness.run.localize import capture, first_drift
 from harness.run.memory import PhaseClock
@@ -173,9 +173,8 @@ def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str,
     target = None
     own = contextlib.nullcontext() if variant.first else clock.phase(variant.phase)
     cache = variant.cache if variant.cache is not None else run.task.compile_cache
-    with own, compile_cache(cache) if variant.cfg.compiled else contextlib.nullcontext():
+    with own, compiling(variant.cfg, cache, clock.announce, lambda: clock.current) as watch:
         try:
-            watch = CompileWatch(clock.announce, lambda: clock.current) if variant.cfg.compiled else None
             with clock.phase(variant.phase) if variant.first else contextlib.nullcontext():
                 target = target_side(run, variant, _op_check(run, variant), watch=watch)
             fields.update(target.compile_fields)
