@@ -109,6 +109,7 @@ def test_one_variation_on_sim_is_judged_as_the_op_check_judges_it(tmp_path: Path
     assert set(drifts) == {"aten::gelu.default"}, {op: m.error_message for op, m in drifts.items()}
     gelu = drifts["aten::gelu.default"]
     assert gelu.first_drift_op == "aten::gelu" and Path(gelu.repro_path).is_file()
+    assert "Op variation " in Path(gelu.repro_path).read_text()  # found alone, not in a model
     model, (ids, mask) = Tiny(), _inputs()
     check = OpCheck("sim", __import__("harness.backends.contracts", fromlist=["contract"]).contract("bf16-matmul"))
     with torch.no_grad(), harness.sim.numerics_bugs("gelu-mixup"), harness.sim.op_profile("full"), check:

@@ -313,7 +313,8 @@ def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, tas
             fields["repro_path"] = str(write_repro(
                 failure_, contract=declared, target=task.target,
                 preamble=repro_preamble(task.backends, adapter.repro_setup(task.settings)),
-                model_id=task.entry["id"], directory=Path(task.repro_dir)))
+                model_id=task.entry["id"], directory=Path(task.repro_dir),
+                where=f"Op variation {task.entry['id']}, run alone (portharness ops)"))
         except Exception as e:  # a repro is a help, never the verdict
             fields["error_message"] += f"; no repro written ({type(e).__name__}: {e})"
     return fields

@@ -357,7 +357,7 @@ assert set(_ROUNDING) == {c.rounding for c in CONTRACTS.values() if c.rounding},
 
 _TEMPLATE = '''"""Repro (portharness): {op} on {target} is beyond its declared precision ({contract}).
 
-Model {model_id}, module {module}; inputs {inputs}.
+{where}; inputs {inputs}.
 Found by the kernel-conformance check: rmse(fp64, target) must be <= m * rmse(fp64, expected) + {ulps} ulp,
 where expected is the op on the CPU with the {contract} contract's rounding.
 Run: python {script_name}
@@ -415,9 +415,11 @@ def _name(model_id: str, op: str) -> str:
 
 
 def write_repro(
-    failure: OpFailure, *, contract: Contract, target: str, preamble: list[str], model_id: str, directory: Path
+    failure: OpFailure, *, contract: Contract, target: str, preamble: list[str], model_id: str, directory: Path,
+    where: str | None = None,
 ) -> Path:
-    """Save the op's inputs and a script that replays it; returns the script's path."""
+    """Save the op's inputs and a script that replays it; returns the script's path. `where` says what it was
+    found in (default: model `model_id` and the failure's module)."""
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / f"{_name(model_id, failure.op)}.py"
     args, kwargs = failure.args
@@ -428,7 +430,8 @@ def write_repro(
     files.write_text(
         script,
         _TEMPLATE.format(
-            op=failure.op, target=target, contract=contract.name, model_id=model_id, module=failure.module or "(top)",
+            op=failure.op, target=target, contract=contract.name,
+            where=where or f"Model {model_id}, module {failure.module or '(top)'}",
             inputs=", ".join(failure.inputs), ulps=ULPS, script_name=script.name,
             preamble="\n".join(preamble), namespace=namespace, packet=packet, overload=failure.func._overloadname,
             device=target, rounding=f"return {_ROUNDING[contract.rounding]}" if contract.rounding else "return t",
