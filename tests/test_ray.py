@@ -126,6 +126,29 @@ def test_a_list_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, c
     assert f"unchanged={len(SMOKE)}" in d.stdout and "regressions=0" in d.stdout, d.stdout
 
 
+@pytest.mark.long
+def test_the_op_worklist_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, cluster: Cluster) -> None:
+    """`portharness ops` runs its variations through the same executors: on the cluster's actors, the same
+    variations with the same outcomes as on local workers."""
+    lst = tmp_path / "one.csv"
+    lst.write_text(LIST_HEADER + list_rows([("bert", "masked-lm")]))
+    local, far = tmp_path / "local.db", tmp_path / "ray.db"
+    r = cli("ops", "--list", str(lst), "--db", str(local), "--jobs", "2", "--only", "addmm,gelu", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("ops", "--list", str(lst), "--db", str(far), "--executor", "ray", "--ray-address", cluster.address,
+            "--only", "addmm,gelu", "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "ray actor(s) on 2 node(s)" in r.stderr, r.stderr[-2000:]
+
+    def outcomes(db: Path) -> dict[str, str]:
+        return {x["model_id"]: x["outcome"] for x in rows(db) if x["model_id"].startswith("aten::")}
+
+    here, there = outcomes(local), outcomes(far)
+    assert here and here == there, (here, there)
+    nodes = {label(cluster, n) for n in [cluster.head_node, *cluster.worker_nodes]}
+    assert {x["host"] for x in rows(far) if x["model_id"] in there} <= nodes
+
+
 @pytest.mark.slow
 def test_a_target_no_node_offers_is_one_line_and_touches_nothing(tmp_path: Path, cluster: Cluster) -> None:
     lst = tmp_path / "one.csv"

@@ -57,7 +57,7 @@ def _to_harvest(store: Any, entries: list[Any], list_name: str, settings: dict[s
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
-    from harness.cli.runs import _run_config
+    from harness.cli.runs import _jobs, _run_config, _workers
     from harness.fleet.executor import executor_for
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.ops import jobs
@@ -68,7 +68,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     entries = _entries(args)
     executor = executor_for(args.executor)
     executor.check()
-    n_jobs = args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default else max(1, os.cpu_count() or 1)
+    n_jobs = _jobs(args, executor)
     if args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be >= 0 (0: no limit)")
     if args.opinfo_samples < 1:
@@ -80,8 +80,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
         if key in config.settings or (key == "perf" and args.perf):
             raise ValueError(f"{flag}: ops runs each kernel alone, eagerly; {flag} applies to whole models (use run)")
     shard(entries, args.shard)  # validates the spec before anything is written
-    if args.action == "run":
-        fleet_for(config)
+    fleet = fleet_for(config) if args.action == "run" else None
     check_writable(args.db)
     os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     if args.action == "harvest":
@@ -115,7 +114,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     config.settings = op_settings(config.settings, args.source)
     print(f"portharness: {len(entries_v)} op variation(s) of {len(uses)} model(s) of {args.list} "
           f"({args.source}) on {args.target} {' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-          f"{n_jobs} worker(s) -> {args.db}", file=sys.stderr)
+          f"{_workers(executor, n_jobs, fleet)} -> {args.db}", file=sys.stderr)
     summary = run_models(entries_v, config, args.db, list_name=ops_list(args.list), shard_spec=args.shard,
                          resume=args.resume, argv=" ".join(sys.argv), kind="variation",
                          variations={e.id: chosen[e.id] for e in entries_v})

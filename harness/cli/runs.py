@@ -13,6 +13,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _jobs(args: argparse.Namespace, executor: Any) -> int:
+    """--jobs, or its default: one worker per core here, every device of a cluster (0)."""
+    return args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default else max(1, os.cpu_count() or 1)
+
+
+def _workers(executor: Any, jobs: int, fleet: Any) -> str:
+    """The banner's words for who runs the jobs: worker processes here, actors on a cluster's nodes."""
+    if executor.one_host:
+        return f"{jobs} worker(s)"
+    return f"{jobs or len(fleet.active)} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
+
+
 def _run_config(args: argparse.Namespace, **overrides: Any):
     """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
     from harness.backends import resolve_target
@@ -195,8 +207,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ValueError(f"nothing to run ({args.list}, shard {args.shard}, limit {args.limit})")
     executor = executor_for(args.executor)
     executor.check()  # its library missing (Ray): say so before anything else
-    jobs = (args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default
-            else max(1, os.cpu_count() or 1))
+    jobs = _jobs(args, executor)
     config = _run_config(args, jobs=jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet,
                          rerun_flaky=args.rerun_flaky, executor=args.executor, ray_address=args.ray_address,
@@ -224,9 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ResultStore(args.db).close()
     print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
           f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-          + (f"{jobs} worker(s)" if executor.one_host else
-             f"{jobs or len(fleet.active)} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)")
-          + f" -> {args.db}"
+          + _workers(executor, jobs, fleet) + f" -> {args.db}"
           + (f" (reference cache {config.ref_cache}"
              + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
              if config.ref_cache else ""), file=sys.stderr)
