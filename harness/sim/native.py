@@ -168,7 +168,7 @@ def load() -> ModuleType:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name("build.lock")):
             if not path.exists():  # another process may have built it while we waited
-                _notice(f"building sim's C++ library (first run only: about 30 s on two idle cores, minutes on a "
+                _notice(f"building sim's C++ library (first run only: about 50 s on two idle cores, minutes on a "
                         f"busy host; cached in {path.parent})")
                 t0 = time.monotonic()
                 _compile(name, path)
