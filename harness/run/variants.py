@@ -123,57 +123,55 @@ CONFIRMED, UNCONFIRMED, HIDDEN = "confirmed", "unconfirmed", "hidden drift"
 
 
 class Confirmation:
-    """A ``pass_declared`` row, confirmed at the device's highest precision (see the module docstring)."""
+    """A ``pass_declared`` row, confirmed at the device's highest precision; a ``drift`` row at a declared
+    precision, located there (see the module docstring)."""
 
     def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
         if run.settings.get("confirm") == "off":
             return None
-        if out.get("outcome") == "drift" and not out.get("device_fault") and not judged.declared.exact:
-            return self._locating(run, judged)
-        if out.get("outcome") != "pass_declared":
+        outcome = out.get("outcome")
+        # rounding at the declared precision can mask where a drift starts (a decoding step, an op near the envelope)
+        locating = outcome == "drift" and not out.get("device_fault") and not judged.declared.exact
+        if not locating and outcome != "pass_declared":
             return None
-        highest = run.adapter.confirm_settings(judged.settings)
-        if highest is None:
-            out.update(confirm=UNCONFIRMED, confirm_note=f"{run.adapter.kind} has no full-precision mode to "
-                       "confirm it at: the declared precision may hide a bug")
+        at = _highest(run, judged)
+        if isinstance(at, str):
+            if not locating:
+                out.update(confirm=UNCONFIRMED, confirm_note=at)
             return None
-        if judged.cfg.amp:
-            out.update(confirm=UNCONFIRMED, confirm_note=f"--amp {judged.cfg.amp}: autocast rounds at every matmul "
-                       "precision, so no run is free of it to confirm at")
-            return None
-        declared = contract(run.adapter.declared_precision(highest))
-        if not declared.exact:
-            out.update(confirm=UNCONFIRMED, confirm_note=f"{run.adapter.kind} declares {declared.name} even at its "
-                       "highest precision: nothing to confirm it at")
-            return None
+        highest, declared = at
         # An eager run's device model is left as it was (the step never changes it): run it again there.
-        # Most confirmations pass: the op check (a second, per-op run) is run only for one that does not.
-        return replace(judged, name=f"confirmation at {highest.get('precision', 'highest')} precision",
-                       phase="confirm", settings=highest, declared=declared,
+        # Most confirmations pass: their op check (a second, per-op run) runs only for one that does not; a
+        # location needs it at once.
+        name = "location at full precision" if locating else \
+            f"confirmation at {highest.get('precision', 'highest')} precision"
+        return replace(judged, name=name, phase="confirm", settings=highest, declared=declared,
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
-                       extra=False, timed=False, op_check=False, of=judged)
-
-    @staticmethod
-    def _locating(run: ModelRun, judged: Variant) -> Variant | None:
-        """A drift at the declared precision: rounding there can mask where it starts (a decoding step, an op
-        whose error is near the envelope), so it is located again at the highest precision, op check on."""
-        highest = run.adapter.confirm_settings(judged.settings)
-        declared = None if highest is None else contract(run.adapter.declared_precision(highest))
-        if declared is None or not declared.exact or judged.cfg.amp:
-            return None
-        return replace(judged, name="location at full precision", phase="confirm", settings=highest,
-                       declared=declared, source="fresh" if judged.cfg.compiled else "reuse",
-                       warmup=judged.cfg.compiled, extra=False, timed=False, of=None)
+                       extra=False, timed=False, op_check=locating and judged.op_check, of=judged)
 
     def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
               rerun: Rerun) -> bool:
-        if variant.of is None:  # the location of a drift
+        if row.get("outcome") == "drift":  # located (a confirmed row is pass_declared until merged)
             locate_fields(row, fields, run.declared.name)
             return False
         if (not variant.op_check and fields.get("outcome") not in PASSING and not fields.get("device_fault")
                 and variant.of is not None and variant.of.op_check):
             fields = rerun(replace(variant, op_check=True))  # the op and module that drift, from that run
         return confirm_fields(row, fields, run.declared.name)
+
+
+def _highest(run: ModelRun, judged: Variant) -> tuple[dict[str, Any], Contract] | str:
+    """The settings and contract of the device's highest precision for `judged`, or why there is none."""
+    highest = run.adapter.confirm_settings(judged.settings)
+    if highest is None:
+        return f"{run.adapter.kind} has no full-precision mode to confirm it at: the declared precision may hide a bug"
+    if judged.cfg.amp:
+        return (f"--amp {judged.cfg.amp}: autocast rounds at every matmul precision, so no run is free of it to "
+                "confirm at")
+    declared = contract(run.adapter.declared_precision(highest))
+    if not declared.exact:
+        return f"{run.adapter.kind} declares {declared.name} even at its highest precision: nothing to confirm it at"
+    return highest, declared
 
 
 def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) -> bool:
