@@ -57,12 +57,14 @@ _VERDICT_FIELDS = [
 _LABEL_WIDTH = max(len(label) for label, _ in _VERDICT_FIELDS)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_ONE_LINE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def terminal_text(text: str) -> str:
-    """`text` safe for a terminal: control characters (an ANSI escape in a model id) shown as ``\\x1b``
-    instead of acting; newlines and tabs kept."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+def terminal_text(text: str, one_line: bool = False) -> str:
+    """`text` safe for a terminal: control characters (an ANSI escape in a model id, a list path or an op
+    name from a DB) shown as ``\\x1b`` instead of acting; newlines and tabs kept, unless `one_line` (an error
+    message: a value from the user or a DB cannot make it two lines)."""
+    return (_ONE_LINE if one_line else _CONTROL).sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class _Console(Console):

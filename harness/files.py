@@ -18,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -28,7 +29,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 STAGE_PREFIX = ".portharness-new-"
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 OLD_PREFIX = ".portharness-old-"
+
+def safe_name(text: str, limit: int = 80) -> str:
+    """A portable file stem for `text` (a model id, an op, a variation id), unique per text whatever its
+    alphabet: its ASCII letters, digits and ``._-`` for the eye, plus a hash of the whole text, so 'a/b' and
+    'a_b', or two ids in another script that leave nothing readable, never share a file."""
+    stem = _UNSAFE.sub("_", text).strip("._-")[:limit] or "id"
+    return f"{stem}-{hashlib.sha1(text.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
 
 _CAUSES = {
     errno.ENOSPC: "no space left on the device",

@@ -34,6 +34,9 @@ TABLE: tuple[Outcome, ...] = (
     Outcome("load_fail", 6, "#546e7a", "the model could not be loaded or fed", reference_side=True),
     Outcome("ref_fail", 6, "#78909c", "the fp32 CPU reference raised", reference_side=True),
     Outcome("ref_nondeterministic", 6, "#90a4ae", "two fp32 CPU reference runs differ", reference_side=True),
+    Outcome("ref_timeout", 6, "#a1887f", "the reference side (loading, the fp32 CPU reference, the fp64 oracle, the "
+            "expected reference, the harvest) ran past its time budget before the target ran (the phase in the row; "
+            "raise --timeout or --load-timeout)", reference_side=True),
     Outcome("skipped", 0, "#b0bec5", "the mode does not apply to this model (generate: no generation head; the "
             "reason is in the row)", reference_side=True),
     Outcome("device_error", 5, "#37474f", "the device failed (its backend said so); the model is re-run",

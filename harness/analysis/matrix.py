@@ -21,7 +21,7 @@ from harness import csvio, files
 from harness.outcomes import MATCHED, NOT_THE_MODELS, OUTCOMES, RAN
 from harness.results.dbfile import StoreError
 from harness.results.store import ResultStore
-from harness.results.variations import default_run
+from harness.results.variations import shown_run
 
 GROUP_KEYS = ("arch", "task", "modality")
 UNKNOWN = "(unknown)"
@@ -90,7 +90,7 @@ def latest_per_key(df: pd.DataFrame) -> pd.DataFrame:
 def load_results(db: str | os.PathLike, run_id: str | None = None) -> tuple[str, pd.DataFrame]:
     """Open ``db`` read-side and return (run id, results) for ``run_id`` or the latest run."""
     with ResultStore(db, read_only=True) as st:
-        rid = run_id or default_run(st)  # a model run: op and harvest runs have their own views
+        rid = shown_run(st, run_id)  # a model run: op and harvest runs have their own views
         if rid is None:
             raise StoreError(f"{db} contains no model results yet; run `portharness run --db {db}` first.")
         return rid, st.results(rid)

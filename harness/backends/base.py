@@ -45,6 +45,15 @@ class OpCensus:
     fallback: dict[str, int] | None = None
 
 
+class UnsupportedSetting(ValueError):
+    """A setting this backend has no such option for (`key`, as a run's settings name it: the CLI says which
+    of its options set it)."""
+
+    def __init__(self, key: str, kind: str) -> None:
+        super().__init__(f"setting {key!r} is not an option of the {kind} backend")
+        self.key, self.kind = key, kind
+
+
 class Adapter:
     """Everything the runner, worker, CLI and benchmarks need to know about one device type."""
 
@@ -125,7 +134,7 @@ class Adapter:
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
                            "mode", "new_tokens", "cache", "compile", "dynamic", "amp", "confirm", *self.options):
-                raise ValueError(f"--{key} is not an option of the {self.kind} backend")
+                raise UnsupportedSetting(key, self.kind)
         if "amp" in out:
             import torch
 

@@ -49,15 +49,16 @@ class SimAdapter(Adapter):
             bad = [k for k in out["numerics"].split(",") if k not in KINDS]
             if bad:
                 raise ValueError(f"--numerics-bug {','.join(bad)}: sim's planted bugs are {', '.join(KINDS)}")
+            out["numerics"] = ",".join(sorted(set(out["numerics"].split(","))))  # one spelling per run identity
             if "cache-off-by-one" in out["numerics"].split(",") and out.get("mode") != "generate":
                 # only decoding writes a KV cache: elsewhere the bug would be planted, never met, and the row pass
                 raise ValueError("--numerics-bug cache-off-by-one: only with --mode generate (it plants a bug in the KV "
                                  f"cache's writes, which --mode {out.get('mode', 'inference')} never makes)")
         if "slow_ops" in out:
-            from harness.sim.slowdown import parse_slow_ops
+            from harness.sim.slowdown import canonical_slow_ops
 
             try:
-                parse_slow_ops(out["slow_ops"])
+                out["slow_ops"] = canonical_slow_ops(out["slow_ops"])
             except ValueError as e:
                 raise ValueError(f"--slow-ops {out['slow_ops']!r}: {str(e).split(': ', 1)[-1]}") from None
         if "compiler_bug" in out:
@@ -70,13 +71,14 @@ class SimAdapter(Adapter):
                 raise ValueError(f"--compiler-bug {out['compiler_bug']!r}: sim's planted compiler bugs are "
                                  f"{', '.join(COMPILER_BUGS)}")
         if "fault" in out:
-            from harness.sim.fault_injection import parse_fault_spec
+            from harness.sim.fault_injection import canonical_fault_spec, parse_fault_spec
 
             count = self.device_count()  # a bad spec, or a device that does not exist, fails here
             missing = sorted(i for i in parse_fault_spec(out["fault"]) if i >= count)
             if missing:
                 raise ValueError(f"--fault {out['fault']!r}: sim:{missing[0]} does not exist, sim has {count} device(s) "
                                  f"(sim:0..sim:{count - 1}); nothing would be injected{self.more_devices_hint}")
+            out["fault"] = canonical_fault_spec(out["fault"])  # one spelling per run identity
         return out
 
     def declared_precision(self, settings: dict[str, Any]) -> str:

@@ -62,6 +62,13 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
 
+def _error(command: str, e: Exception) -> None:
+    """The one line an error is: whatever of the user's or a DB's it quotes cannot act on the terminal."""
+    from harness.console import terminal_text
+
+    print(terminal_text(f"portharness {command}: error: {e}", one_line=True), file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -87,11 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         pool = sys.modules.get("harness.fleet.pool")
         if pool is not None and isinstance(e, pool.ExecutorError):  # workers cannot start, a cluster went away
-            print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+            _error(args.command, e)
             return 1
         if not _is_input_error(e):
             raise
-        print(f"portharness {args.command}: error: {e}", file=sys.stderr)
+        _error(args.command, e)
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)

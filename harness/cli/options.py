@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Backend-portability and numerical-conformance harness for PyTorch accelerators.")
     ap.add_argument("--version", action="version", version=_version())
     # how a row's check command is spelled travels with the arguments: the commands need not import this module
-    ap.set_defaults(check_command=check_command)
+    ap.set_defaults(check_command=check_command, flag_of=flag)  # handed to the commands, which import no options
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check", help="run one model on reference and target; exit 0 on pass / pass_declared (or skipped: "
@@ -399,6 +399,12 @@ def _check_options() -> dict[str, argparse.Action]:
     return out
 
 
+def flag(key: str) -> str:
+    """The option that sets setting `key` (``numerics`` -> ``--numerics-bug``)."""
+    action = _check_options().get(key)
+    return action.option_strings[0] if action is not None else f"--{key.replace('_', '-')}"
+
+
 def check_command(model_id: str, target: str, settings: dict[str, Any]) -> str:
     """The `portharness check` command line that reproduces one row: its model, target and settings, each
     setting spelled as the option that set it (values equal to the option's default left out)."""
@@ -406,9 +412,8 @@ def check_command(model_id: str, target: str, settings: dict[str, Any]) -> str:
     options = _check_options()
     for key, value in sorted((settings or {}).items()):
         action = options.get(key)
-        flag = action.option_strings[0] if action is not None else f"--{key.replace('_', '-')}"
         if action is not None and action.nargs == 0:  # a switch (--dynamic)
-            parts += [flag] if value and value != action.default else []
+            parts += [flag(key)] if value and value != action.default else []
         elif action is None or str(value) != str(action.default):
-            parts += [flag, str(value)]
+            parts += [flag(key), str(value)]
     return " ".join(shlex.quote(p) for p in parts)

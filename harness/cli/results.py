@@ -12,7 +12,7 @@ RATE_LABELS = {"ran_pct": "ran %", "matched_pct": "matched %", "pass_pct": "pass
 
 def cmd_matrix(args: argparse.Namespace) -> int:
     from harness.analysis import matrix as mx
-    from harness.console import confirm_line, headline_line, outcome_line, print_frame
+    from harness.console import confirm_line, headline_line, outcome_line, print_frame, terminal_text
     from harness.outcomes import OUTCOMES
 
     if args.out:
@@ -38,7 +38,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
         print_frame("missing ops (implement X -> +N models)", mx.op_coverage(df, args.opinfo))
         work = load(args.db, rid)  # this configuration's op run, joined with these rows
-        print("\n" + format_worklist(work, limit=args.ops_limit))
+        print("\n" + terminal_text(format_worklist(work, limit=args.ops_limit)))
         if not work.empty:
             print_frame("op worklist (per op: failing variations; models blocked now, drifts explained; per the "
                         "harvest: models that would run, models calling a failing variation)",
@@ -49,7 +49,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     if args.perf:
         print_frame("speed per model (median ms; ratio = target / reference, per interleaved round)", mx.perf_table(df))
     if args.out:
-        print(f"\nwrote {mx.export(mx.perf_table(df) if args.perf else mat, args.out)}")
+        print(terminal_text(f"\nwrote {mx.export(mx.perf_table(df) if args.perf else mat, args.out)}"))
     return 0
 
 

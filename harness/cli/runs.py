@@ -18,16 +18,42 @@ def _jobs(args: argparse.Namespace, executor: Any) -> int:
     return args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default else max(1, os.cpu_count() or 1)
 
 
-def _workers(executor: Any, jobs: int, fleet: Any) -> str:
-    """The banner's words for who runs the jobs: worker processes here, actors on a cluster's nodes."""
+def _workers(executor: Any, jobs: int, fleet: Any, queued: int, asked: int | None = None) -> str:
+    """The banner's words for who runs the jobs (as many as the run starts: `policy.workers`): worker
+    processes here, actors on a cluster's nodes. `asked`: the --jobs given, said when it was more."""
+    from harness.fleet.policy import workers
+
+    n = workers(jobs, queued, len(fleet.active), executor.per_device)
+    capped = (f" (--jobs {asked}: no more than the {'devices hold' if n < queued else 'jobs to run'})"
+              if asked is not None and asked > n else "")
     if executor.one_host:
-        return f"{jobs} worker(s)"
-    return f"{jobs or len(fleet.active)} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s)"
+        return f"{n} worker(s){capped}"
+    return f"{n} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s){capped}"
+
+
+def db_stopped(command: str, db: str, e: Exception) -> int:
+    """A run whose DB stopped taking rows (full disk, lost mount): exit 1 with the --resume hint when rows
+    were saved before it; re-raised (exit 2: an output that cannot be written) when none were."""
+    from harness.console import terminal_text
+    from harness.results.store import ResultStore
+
+    try:
+        with ResultStore(db, read_only=True) as store:
+            run_id = store.latest_run(unfinished_only=True, has_results=True)
+            saved = len(store.results(run_id)) if run_id else 0
+    except Exception:
+        saved = 0
+    if not saved:
+        raise e
+    print(terminal_text(f"portharness {command}: error: {e} The {saved} rows finished before it are saved: rerun "
+                        "with --resume once the DB can be written again", one_line=True), file=sys.stderr)
+    return 1
 
 
 def _run_config(args: argparse.Namespace, **overrides: Any):
     """Everything about the target checked before anything runs or is written (exit 2 otherwise)."""
     from harness.backends import resolve_target
+    from harness.backends.base import UnsupportedSetting
     from harness.cli.guard import load_backends_guarded
     from harness.fleet.executor import executor_for
     from harness.fleet.runner import RunConfig
@@ -61,7 +87,10 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     from harness.run.compiled import check
 
     check(options)  # --compile, --dynamic, --amp: before the backend's own checks read them
-    settings = adapter.check_settings(options)
+    try:
+        settings = adapter.check_settings(options)
+    except UnsupportedSetting as e:
+        raise ValueError(f"{args.flag_of(e.key)} is not an option of the {e.kind} backend") from None
     if args.seed:
         settings["seed"] = args.seed  # results depend on it: part of the run's identity (0 is the default)
     _acting(args, settings)
@@ -132,18 +161,6 @@ def _read_only(path: str) -> bool:
     return not os.access(path, os.W_OK) if os.path.isdir(path) else False
 
 
-def _saved_rows(db: str, **run: Any) -> int:
-    """Rows in the latest unfinished run of this (list, target, settings, shard): what --resume continues."""
-    from harness.results.store import ResultStore
-
-    try:
-        with ResultStore(db, read_only=True) as store:
-            run_id = store.latest_run(**run, unfinished_only=True, has_results=True)
-            return len(store.results(run_id)) if run_id else 0
-    except Exception:
-        return 0
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     from harness.models.model_list import find_entry
 
@@ -186,8 +203,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.console import confirm_line, headline_line, outcome_table
+    from harness.console import confirm_line, headline_line, outcome_table, terminal_text
     from harness.fleet.executor import executor_for
+    from harness.fleet.resume import check_resume
     from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import fleet_for, run_models, shard
     from harness.models.model_list import load_model_list
@@ -216,6 +234,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # or a new file we can create), --report can be written, the caches kept: checked before the banner and any
     # write, and before a Ray instance is started for the fleet
     check_writable(args.db)
+    if args.resume:  # a narrower resume is refused before anything is written
+        check_resume(args.db, [e.id for e in entries], args.list, config.target, config.settings, args.shard)
     if args.report:
         from harness.report import check_out
 
@@ -233,23 +253,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         from harness.results.store import ResultStore
 
         ResultStore(args.db).close()
-    print(f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
-          f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-          + _workers(executor, jobs, fleet) + f" -> {args.db}"
-          + (f" (reference cache {config.ref_cache}"
-             + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
-             if config.ref_cache else ""), file=sys.stderr)
+    print(terminal_text(
+        f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
+        f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
+        + _workers(executor, jobs, fleet, len(entries), args.jobs) + f" -> {args.db}"
+        + (f" (reference cache {config.ref_cache}"
+           + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
+           if config.ref_cache else ""), one_line=True), file=sys.stderr)
     try:
         summary = run_models(entries, config, args.db, list_name=args.list, shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv))
     except StoreWriteError as e:
-        saved = _saved_rows(args.db, list_name=args.list, target=config.target, settings=config.settings,
-                            shard=args.shard)
-        if not saved:
-            raise
-        print(f"portharness run: error: {e} The {saved} rows finished before it are saved: rerun with --resume "
-              "once the DB can be written again", file=sys.stderr)
-        return 1
+        return db_stopped("run", args.db, e)
     if args.resume:
         print(f"portharness: resumed run {summary.resumed_run} ({summary.resumed_skipped} models already done)"
               if summary.resumed_run else "portharness: no unfinished run matches (list, target, settings, shard); "
@@ -278,7 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
     if summary.never_worked:
-        print(f"portharness: {summary.never_worked}", file=sys.stderr)
+        print(terminal_text(f"portharness: {summary.never_worked}", one_line=True), file=sys.stderr)
     if args.report:
         from harness.files import OutputError
         from harness.report import build_report
@@ -287,8 +302,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"report: {build_report(args.db, args.report, run_id=summary.run_id, command=args.check_command)}",
                   file=human)
         except OutputError as e:
-            print(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report again with "
-                  f"`portharness report --db {args.db} --out {args.report}`", file=sys.stderr)
+            print(terminal_text(f"portharness run: error: {e}. The run's rows are saved in {args.db}; build the report "
+                                f"again with `portharness report --db {args.db} --out {args.report}`", one_line=True),
+                  file=sys.stderr)
             return 1
     if args.json:
         print(json.dumps(asdict(summary), indent=2))

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from harness.fleet.budgets import Budgets, JobClock
 from harness.fleet.pool import PRELOAD, Event, Pool, context
-from harness.results.rows import Measurement
+from harness.results.rows import PHASE_DOING, REFERENCE_PHASES, Measurement
 
 
 class PoolWorker(Protocol):
@@ -82,6 +82,7 @@ class Executor(Protocol):
     one_host: bool  # its workers share this host (a timed step can have it to itself: `quiet`)
     address_option: bool  # it joins a cluster at an address (--ray-address)
     all_devices_by_default: bool  # --jobs 0 (the default) means one worker per device
+    per_device: int | None  # workers one device may hold (None: any number)
 
     def check(self) -> None:
         """ValueError when it cannot run here (its library missing)."""
@@ -103,6 +104,7 @@ class LocalExecutor:
     one_host = True
     address_option = False
     all_devices_by_default = False
+    per_device = None
 
     def check(self) -> None:
         pass
@@ -140,6 +142,7 @@ class RayExecutor:
     one_host = False
     address_option = True
     all_devices_by_default = True
+    per_device = 1  # Ray hands a device to one actor at a time
 
     def check(self) -> None:
         from harness.fleet.raycluster import ray_module
@@ -180,6 +183,12 @@ def death(w: PoolWorker, budgets: Budgets) -> Measurement:
              "worker_output": getattr(w, "output", "")}  # a local worker's output during the job (capture.py)
     if w.killed_for == "timeout":
         error_type, why = budgets.why(w.clock, w.key)
+        phase = w.clock.phase
+        if phase in REFERENCE_PHASES:  # the host's side ran out of time: nothing is known of the target
+            flag = "--load-timeout" if phase == "load" else "--timeout"
+            return Measurement(**where, outcome="ref_timeout", error_type=error_type, signal=sig, error_message=(
+                f"{why}; {w.noun} killed while {PHASE_DOING.get(phase, phase)}, before the target ran: the reference "
+                f"side's time, not the target's (raise {flag} for this model)"))
         return Measurement(**where, outcome="timeout", error_type=error_type, signal=sig,
                            error_message=f"{why}; {w.noun} killed")
     if sig == signal.SIGKILL:

@@ -35,7 +35,9 @@ The attribution rule (`settle`), one row per kind of evidence from one attempt o
     ... then D survives another model   | streak revoked               |                                |
     ... then M dies on a trusted D' too | M's part revoked: M fails    |                                | that death
                                         | by itself                    |                                |
-    ... then M runs cleanly on D' != D  | yes, for good                |                                | flaky; its clean result
+    ... then M runs cleanly on D' != D  | yes, for good                |                                | flaky (a matched result:
+                                        |                              |                                | pass or pass_declared);
+                                        |                              |                                | its clean result
                                         |                              |                                | once D is quarantined
   raised crash, non-finite drift on D   | no                           | retried on another device      | the last outcome
     ... then M runs cleanly on D' != D  | yes                          |                                | flaky (as above)
@@ -215,6 +217,15 @@ def pick_device(fleet: Fleet, load: Counter[str], queue: Iterable[Job] = (), cap
                                     fleet.active.index(d)))
 
 
+def workers(jobs: int, queued: int, devices: int, per_device: int | None) -> int:
+    """How many workers a run keeps: --jobs (0: one per device), never more than the devices can hold nor
+    than there are jobs to hand out, and at least one."""
+    n = jobs or devices
+    if per_device is not None:
+        n = min(n, devices * per_device)
+    return max(1, min(n, queued))
+
+
 def biggest_first(ids: Sequence[str], sizes: dict[str, float | None]) -> list[str]:
     """The order to hand models out in: those of known size biggest first (a big model started last
     would keep one device busy long after the others ran dry), then the rest in list order."""
@@ -374,7 +385,7 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
                 fleet.strikes[d] += 1
                 _maybe_quarantine(fleet, d, out)
         job.last = m
-        if m.outcome != "pass" or all(a.device in fleet.quarantined for a in failed):
+        if m.outcome not in MATCHED or all(a.device in fleet.quarantined for a in failed):
             out.outcome = m.outcome
         else:
             out.outcome = "flaky"
@@ -434,6 +445,12 @@ def release(fleet: Fleet, job: Job) -> None:
     """`job` has its final outcome: it no longer holds any device on probation."""
     for a in job.attempts:
         fleet.probation.get(a.device, set()).discard(job.id)
+
+
+def left_out(planned: Iterable[str], finished: Iterable[str], selected: Iterable[str]) -> set[str]:
+    """The jobs a run planned and has not finished that a resume with `selected` would not run. A run planned
+    nothing when it was recorded before plans were kept: nothing can be told left out."""
+    return set(planned) - set(finished) - set(selected)
 
 
 def counted(job: Job, quarantined: Iterable[str] = ()) -> list[str]:

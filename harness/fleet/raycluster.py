@@ -194,6 +194,10 @@ def devices(target: str, address: str | None) -> list[str]:
             found[slot.key] = slot
     if not found:
         where = "the local Ray instance" if address is None else f"the Ray cluster at {address}"
+        counts = [int(n["Resources"].get(resource, 0)) for n in nodes]
+        if want is not None and any(counts):
+            raise ValueError(f"--target {target}: no node of {where} has a device {kind}:{want}; its nodes offer "
+                             f"{kind}:0..{kind}:{max(counts) - 1} ({', '.join(f'{n}: {c}' for n, c in zip(names, counts, strict=True) if c)})")
         offered = sorted({r for n in nodes for r in n["Resources"]
                           if not r.startswith(("node:", "memory", "object_store"))})
         declare = ("(Ray counts them itself on hosts that have them)" if adapter.ray_assigns else

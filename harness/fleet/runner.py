@@ -23,10 +23,12 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from harness.backends import adapter_for, load_backends
+from harness.console import terminal_text
 from harness.fleet import policy, quiet
 from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
 from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
+from harness.fleet.resume import resumable
 from harness.fleet.runconfig import RunConfig, compile_cache_root
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
@@ -132,16 +134,17 @@ class _Run:
         self.fleet: policy.Fleet = fleet
         settings = dict(config.settings)
         adapter = adapter_for(config.target)
-        run_id = store.latest_run(list_name=list_name, target=config.target, settings=settings, shard=shard_spec,
-                                  unfinished_only=True)
+        ids = [e.id for e in entries]
+        run_id = resumable(store, ids, list_name, config.target, settings, shard_spec) if resume else None
         done: set[str] = set()
-        self.resumed_run = run_id if resume else None
-        if resume and run_id is not None:
+        self.resumed_run = run_id
+        if run_id is not None:
             done = store.finished_ids(run_id)
         else:
             run_id = store.begin_run(
                 RunInfo(list_name=list_name, target=config.target, settings=settings, shard=shard_spec, argv=argv)
             )
+        store.plan(run_id, [i for i in ids if i not in done])  # what the run must finish before it is closed
         self.run_id = run_id
         self.repro_dir = config.repro_dir or str(store.path.with_name(store.path.stem + "-repro"))
         self.compile_cache = "" if "compile" not in settings else cache_dir(
@@ -153,8 +156,8 @@ class _Run:
         self.queue: deque[policy.Job] = deque(policy.Job(i) for i in todo)
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
-        self.jobs = config.jobs or len(fleet.active)  # jobs 0 (a cluster's default): one worker per device
         self.executor: Executor = executor_for(config.executor)
+        self.jobs = policy.workers(config.jobs, len(self.queue), len(fleet.active), self.executor.per_device)
         self.budgets = config.budgets
         spec = PoolSpec(jobs=self.jobs, worker_env=adapter.worker_env(settings), mem_cap_mb=config.mem_cap_mb,
                         backends=config.backends, budgets=self.budgets, startup_timeout_s=config.startup_timeout_s,
@@ -177,11 +180,15 @@ class _Run:
         self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
                              mininterval=0.5 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
         # a long phase says what it is doing: soon for one model (check), above the progress bar for a run
-        self.notices = PhaseNotices(lambda line: self.progress.write(line, file=sys.stderr),
+        self.notices = PhaseNotices(self._say,
                                     after_s=30.0 if config.progress else 5.0,
                                     every_s=60.0 if config.progress else 30.0, settings=settings)
 
     # -- workers -----------------------------------------------------------------------------
+
+    def _say(self, line: str) -> None:
+        """A line above the progress bar (ids and devices in it cannot act on the terminal)."""
+        self.progress.write(terminal_text(line, one_line=True), file=sys.stderr)
 
     def _load(self) -> Counter[str]:
         return Counter(w.key for w in self.pool.workers)
@@ -227,9 +234,9 @@ class _Run:
             self.with_fallback[outcome] += n
 
     def _quarantine(self, q: policy.Quarantined, interrupted: str = "quarantine") -> None:
-        self.progress.write(f"portharness: quarantining {q.device}: {q.why}", file=sys.stderr)
+        self._say(f"portharness: quarantining {q.device}: {q.why}")
         if q.spare:
-            self.progress.write(f"portharness: bringing in hot spare {q.spare}", file=sys.stderr)
+            self._say(f"portharness: bringing in hot spare {q.spare}")
         for w in [w for w in self.pool.workers if w.key == q.device]:
             job = w.job
             w.kill("quarantine")
@@ -450,7 +457,8 @@ class _Run:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
         self.queue = deque(j for j in self.queue if j not in self.samples and not j.probe)
-        unfinished = len(self.queue) + self.pending
+        # The run is closed only once everything it was started for has its row (a resume runs all of it)
+        unfinished = len(self.store.planned(self.run_id) - self.store.finished_ids(self.run_id))
         if unfinished == 0:
             self.store.finish_run(self.run_id)
         rows = self.store.results(self.run_id)

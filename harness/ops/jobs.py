@@ -42,6 +42,27 @@ def matches(vid: str, spec: Mapping[str, Any], terms: Iterable[str]) -> bool:
     return any(t.strip() in names for t in terms if t.strip())
 
 
+def unknown(terms: Iterable[str]) -> list[str]:
+    """The `--only` terms that name no op this torch has (a variation id, ``aten::sort.stable``, ``aten::gelu``
+    or ``gelu``): refused before anything is harvested or run."""
+    import torch
+
+    def known(term: str) -> bool:
+        op = term.split("#", 1)[0]
+        ns, sep, rest = op.partition("::")
+        if not sep:
+            ns, rest = "aten", op
+        name, _, overload = rest.partition(".")
+        try:
+            schemas = torch._C._jit_get_schemas_for_operator(f"{ns}::{name}")
+        except RuntimeError:
+            return False
+        return bool(schemas) and (not overload or overload == "default" or any(s.overload_name == overload
+                                                                                for s in schemas))
+
+    return [t for t in (t.strip() for t in terms) if t and not known(t)]
+
+
 def select(specs: Mapping[str, Mapping[str, Any]], only: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
     """The variations to run, in id order (`only`: those `matches` names)."""
     terms = [t for t in only if t.strip()]

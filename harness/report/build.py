@@ -26,6 +26,7 @@ from harness.analysis.nights import night_runs
 from harness.analysis.trend import read_history
 from harness.analysis.worklist import Worklist
 from harness.analysis.worklist import load as load_worklist
+from harness.files import safe_name
 from harness.outcomes import COLOURS, OUTCOMES
 from harness.report.collectives import collective_faults_view, collectives_view
 from harness.report.links import Command, row_links
@@ -43,13 +44,12 @@ from harness.report.views import (
     records,
     row_view,
     run_view,
-    safe_name,
 )
 from harness.report.worklist import OP_DIR, TOP, op_pages, worklist_view
 from harness.results.dbfile import StoreError
 from harness.results.rows import utc_now
 from harness.results.store import ResultStore
-from harness.results.variations import default_run
+from harness.results.variations import shown_run
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
@@ -101,7 +101,8 @@ def _load(
     with ResultStore(db_path, read_only=True) as store:
         if night and run_id is None and len(nights := night_runs(store, ("models",))) > 1:
             return _load_night(store, [r["run_id"] for r in nights], base_db)
-        rid = run_id or default_run(store) or store.latest_run()  # a model run: op runs have their own pages
+        # a model run (op runs have their own pages), else a benchmark's (collectives), never a harvest
+        rid = shown_run(store, run_id, "model results to report") or store.latest_run()
         if rid is None:
             raise StoreError(f"{db_path} contains no runs yet; nothing to report.")
         df = with_config(store.results(rid))  # raises StoreError for an unknown run id

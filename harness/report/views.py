@@ -7,7 +7,6 @@ is Jinja's job. Only the embedded matrix JSON keeps raw numbers, so the JS can s
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from typing import Any
@@ -26,13 +25,6 @@ from harness.results.rows import PHASES, compile_summary, round_floats
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers
 # ----------------------------------------------------------------------------------------------
-
-
-def safe_name(model_id: str) -> str:
-    """A portable file stem for ``model_id``: sanitised text plus a hash so 'a/b' and 'a_b' differ."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", model_id).strip("._-")[:80] or "model"
-    digest = hashlib.sha1(model_id.encode("utf-8")).hexdigest()[:8]
-    return f"{stem}-{digest}"
 
 
 def _json_num(v: Any) -> float | str | None:

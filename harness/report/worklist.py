@@ -11,7 +11,7 @@ from typing import Any
 
 from harness.analysis.matrix import column_records
 from harness.analysis.worklist import Worklist
-from harness.report.views import safe_name
+from harness.files import safe_name
 
 OP_DIR = "op"
 TOP = 5  # the summary's what-to-fix-first

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness.results.dbfile import StoreError
 from harness.results.rows import column_types
 
 
@@ -56,14 +57,39 @@ def encode(row: Any, types: dict[str, type] | None = None) -> dict[str, Any]:
     return out
 
 
-def decode_json(text: Any) -> Any:
-    if text is None or (isinstance(text, float) and math.isnan(text)):
+def decode_json(text: Any, where: str = "", kind: type | None = None) -> Any:
+    """A stored JSON value (None for an empty cell). A cell that does not parse, or is not a `kind` (a dict
+    column holding ``[1,2,3]``), is a damaged or foreign DB: StoreError naming `where` (table, row, column)."""
+    if text is None or (isinstance(text, float) and math.isnan(text)) or text == "":
         return None
-    return json.loads(text)
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{where or 'a JSON column'}: not JSON ({e}); the DB was damaged or written by another "
+                         "program: rerun what wrote it into a fresh DB") from None
+    if kind is not None and value is not None and not isinstance(value, kind):
+        raise StoreError(f"{where or 'a JSON column'}: holds a JSON {type(value).__name__}, a "
+                         f"{'JSON object' if kind is dict else kind.__name__} was written; the DB was damaged or written "
+                         "by another program: rerun what wrote it into a fresh DB")
+    return value
 
 
-def frame(rows: list[dict[str, Any]], columns: list[str], types: dict[str, type]) -> pd.DataFrame:
-    """Rows as a frame with every expected column (None where an older DB lacks it), JSON decoded."""
+def _decoded(df: pd.DataFrame, col: str, table: str, kind: type | None) -> list[Any]:
+    """Column `col` of `df` decoded; a cell's error names the table, the row (its keys) and the column."""
+    out = []
+    for i, v in enumerate(df[col]):
+        try:
+            out.append(decode_json(v, kind=kind))
+        except StoreError:
+            keys = [c for c in ("run_id", "model_id", "variation_id", "op", "scenario") if c in df.columns]
+            row = ", ".join(f"{k} {df[k].iloc[i]!r}" for k in keys)
+            decode_json(v, f"table {table or '?'}, row {row}, column {col}", kind)  # raises, saying where
+    return out
+
+
+def frame(rows: list[dict[str, Any]], columns: list[str], types: dict[str, type], table: str = "") -> pd.DataFrame:
+    """Rows as a frame with every expected column (None where an older DB lacks it), JSON decoded (`table`
+    names where a cell that is not JSON came from)."""
     df = pd.DataFrame(rows)
     for c in columns:
         if c not in df.columns:
@@ -74,12 +100,12 @@ def frame(rows: list[dict[str, Any]], columns: list[str], types: dict[str, type]
         df["settings_json"] = pd.Series(dtype=object)
         return df
     df["settings_json"] = df["settings"]
-    df["settings"] = df["settings"].map(decode_json)
+    df["settings"] = _decoded(df, "settings", table or "runs", dict)
     for col, typ in types.items():
         if col == "settings" or col not in df:
             continue
         if typ in (dict, list):
-            df[col] = df[col].map(decode_json)
+            df[col] = _decoded(df, col, table, typ)
         elif typ is float:
             df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
         elif typ is bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from harness.outcomes import DEVICE_SIDE
 from harness.results.dbfile import StoreError
+from harness.results.schema import PLAN
 from harness.results.store import TABLES, ResultStore
 from harness.results.writable import check_writable, remove_db
 
@@ -161,5 +162,5 @@ def _merge_into(out: ResultStore, opened: list[ResultStore], src_paths: list[Pat
                         continue
                 best[key] = (rank, r, path)
         out.put_raw_rows(table, [r for _, r, src in best.values() if src is not None])
-        result.rows += len(from_sources)
+        result.rows += len(from_sources) if table != PLAN.name else 0  # what runs planned is no row of theirs
     return result

@@ -31,6 +31,9 @@ from typing import Any
 PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "harvest", "target", "compare", "localize",
           "confirm", "eager", "recompile", "perf")
 COMPILE_PHASE = "compile"
+# The phases that run on the host before the target (the model loaded, the reference side computed, cached or
+# harvested): a worker that dies or runs out of time in one says nothing about the target.
+REFERENCE_PHASES = frozenset({"load", "ref_cache", "reference", "oracle", "expected", "ref_store", "harvest"})
 # What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
 PHASE_DOING = {
     "": "running",  # no phase heard yet (a Ray actor's is read from its node only near a deadline)
@@ -277,6 +280,16 @@ class OpUseRow:
     n_variations: int = 0
     calls: int = 0
     finished_at: str = ""
+
+
+@dataclass
+class PlannedRow:
+    """One job a run was started to finish (a `run_plan` row). A run is finished when every planned job has
+    its row, so a resume that runs fewer of them (a narrower --limit or --only) can never close it."""
+
+    run_id: str
+    model_id: str  # a model id, or a variation id in an op run
+    planned_at: str = ""
 
 
 @dataclass

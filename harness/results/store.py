@@ -21,7 +21,7 @@ import os
 import socket
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +42,14 @@ from harness.results.dbfile import (
 from harness.results.rows import (
     CollectiveFaultRow,
     CollectiveRow,
+    PlannedRow,
     ResultRow,
     RunInfo,
     new_run_id,
     utc_now,
     versions,
 )
-from harness.results.schema import COLLECTIVE_FAULTS, COLLECTIVES, RESULTS, RUN_COLUMNS, TABLES, Table
+from harness.results.schema import COLLECTIVE_FAULTS, COLLECTIVES, PLAN, RESULTS, RUN_COLUMNS, TABLES, Table
 from harness.results.writable import create_db, may_write, remove_db
 
 __all__ = ["ResultStore", "StoreError", "StoreWriteError", "canonical_json", "TABLES"]
@@ -286,6 +287,17 @@ class ResultStore:
         )
         return {r["model_id"] for r in rows}
 
+    def plan(self, run_id: str, ids: Iterable[str]) -> None:
+        """Add `ids` to what `run_id` was started to finish (`planned`); committed when this returns."""
+        now = utc_now()
+        self._upsert(PLAN, [encode(PlannedRow(run_id=run_id, model_id=i, planned_at=now), PLAN.types) for i in ids])
+
+    def planned(self, run_id: str) -> set[str]:
+        """The ids `run_id` was started to finish (empty for a run recorded before plans were kept)."""
+        if not self._has_table(PLAN.name):
+            return set()
+        return {r["model_id"] for r in self._query(f"SELECT model_id FROM {PLAN.name} WHERE run_id=?", (run_id,))}
+
     def record_collective(self, row: CollectiveRow) -> None:
         """Upsert one collective benchmark row; committed when this returns."""
         self._require_run(row.run_id)
@@ -329,7 +341,7 @@ class ResultStore:
             "(SELECT COUNT(*) FROM collectives c WHERE c.run_id=r.run_id) AS n_collectives "
             "FROM runs r ORDER BY r.started_at DESC, r.rowid DESC"
         )
-        return frame(rows, [*RUN_COLUMNS, "n_results", "n_collectives"], {})
+        return frame(rows, [*RUN_COLUMNS, "n_results", "n_collectives"], {}, "runs")
 
     def results(self, run_id: str | None = None) -> pd.DataFrame:
         """Result rows (all runs if ``run_id`` is None) with dict/list columns decoded.
@@ -348,7 +360,7 @@ class ResultStore:
                 "SELECT x.*, r.started_at AS run_started_at FROM results x JOIN runs r USING (run_id) "
                 "ORDER BY r.started_at, x.model_id"
             )
-        return frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types)
+        return frame(rows, [*RESULTS.columns, "run_started_at"], RESULTS.types, RESULTS.name)
 
     def _result_columns(self) -> set[str]:
         """The results table's columns (a read-only DB from before a column was added lacks it)."""
@@ -375,7 +387,7 @@ class ResultStore:
             "unsupported_op",
             "perf_ratio",
         ]
-        return frame(rows, [*names, "run_started_at", "list_name"], {})
+        return frame(rows, [*names, "run_started_at", "list_name"], {}, RESULTS.name)
 
     def perf(self, run_ids: list[str]) -> pd.DataFrame:
         """The ``perf`` measurements of these runs' rows (run_id, model_id, target, settings, perf): what the
@@ -386,7 +398,7 @@ class ResultStore:
         marks = ", ".join("?" * len(run_ids))
         rows = self._query(f"SELECT {', '.join(cols)} FROM results WHERE run_id IN ({marks}) AND perf IS NOT NULL "
                            "AND perf NOT IN ('', '{}')", tuple(run_ids))
-        return frame(rows, cols, {"perf": dict})
+        return frame(rows, cols, {"perf": dict}, RESULTS.name)
 
     def collectives(self, run_id: str | None = None) -> pd.DataFrame:
         """Collective benchmark rows (all runs if ``run_id`` is None), settings decoded."""
@@ -397,7 +409,7 @@ class ResultStore:
             )
         else:
             rows = self._query("SELECT * FROM collectives ORDER BY run_id, op, size_bytes, setting")
-        return frame(rows, COLLECTIVES.columns, COLLECTIVES.types)
+        return frame(rows, COLLECTIVES.columns, COLLECTIVES.types, COLLECTIVES.name)
 
     def collective_faults(self, run_id: str | None = None) -> pd.DataFrame:
         """Fault-scenario rows (all runs if ``run_id`` is None), settings decoded."""
@@ -411,7 +423,7 @@ class ResultStore:
             rows = self._query(f"SELECT * FROM {t.name} WHERE run_id=? {order}", (run_id,))
         else:
             rows = self._query(f"SELECT * FROM {t.name} ORDER BY run_id, backend, world_size, setting, scenario")
-        return frame(rows, t.columns, t.types)
+        return frame(rows, t.columns, t.types, t.name)
 
     # -- whole tables, as stored (for merge) -----------------------------------------------------
 

@@ -18,13 +18,13 @@ once per run that found it, and per model the variations its reference step call
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import pandas as pd
 
-from harness.results.codec import canonical_json, encode
+from harness.results.codec import canonical_json, decode_json, encode
+from harness.results.dbfile import StoreError
 from harness.results.rows import OpUseRow, VariationRow, utc_now
 from harness.results.schema import OP_USES, RESULTS, VARIATIONS
 from harness.results.store import ResultStore
@@ -136,8 +136,28 @@ def latest(store: ResultStore, kind: str | tuple[str, ...] = "models", *, target
 
 def default_run(store: ResultStore, kinds: tuple[str, ...] = ("models",)) -> str | None:
     """The run a reader shows when none is named: the latest of these kinds (views of models: a model run;
-    the diff: a model or an op run, never a harvest), else the latest run with results."""
-    return latest(store, kinds) or store.latest_run(has_results=True)
+    the diff: a model or an op run), else the latest model or op run; never a harvest, whose rows say what
+    the CPU's step called, not how a target ran."""
+    return latest(store, kinds) or latest(store, ("models", "ops"))
+
+
+def shown_run(store: ResultStore, run_id: str | None, what: str = "model results") -> str | None:
+    """The run a view of results shows: `run_id`, else `default_run`. StoreError when it is a harvest (a
+    DB holding nothing else included): its rows are no target's results."""
+    rid = run_id or default_run(store)
+    runs = store.runs()
+    if rid is None:
+        harvests = runs[(runs.n_results > 0) & runs.list_name.map(run_kind).eq("harvest")] if not runs.empty else runs
+        if not harvests.empty:
+            raise StoreError(f"{store.path} holds only the harvest of {harvests.iloc[0].list_name[len(HARVEST_PREFIX):]} "
+                             f"(the op calls of its models on the CPU), no {what}: `portharness ops` runs its variations "
+                             "on a target, `portharness run` its models")
+        return None
+    row = runs[runs.run_id == rid]
+    if not row.empty and run_kind(row.iloc[0].list_name) == "harvest":
+        raise StoreError(f"run {rid} is a harvest (the op calls of {row.iloc[0].list_name[len(HARVEST_PREFIX):]}'s "
+                         f"models on the CPU), no {what}: name a model or op run")
+    return rid
 
 
 def op_run_for(store: ResultStore, model_run: str, source: str = "models") -> str | None:
@@ -209,14 +229,36 @@ def harvested(store: ResultStore, model_ids: Iterable[str] | None, settings: Map
             continue
         when = r.get("finished_at") or ""
         if r["model_id"] not in out or when >= out[r["model_id"]][0]:
-            out[r["model_id"]] = (when, json.loads(r["uses"] or "{}"))
+            uses = decode_json(r["uses"], f"table {OP_USES.name}, row model_id {r['model_id']!r}, column uses", dict)
+            out[r["model_id"]] = (when, {str(k): v for k, v in (uses or {}).items()})
     return {m: uses for m, (_, uses) in out.items()}
+
+
+def harvest_failures(store: ResultStore, list_name: str, ids: Iterable[str]) -> dict[str, str]:
+    """Model -> the outcome of its latest harvest row in `list_name`'s harvest runs, for those of `ids` that
+    have one (models a harvest could not load or run: what an op run's banner names)."""
+    wanted = set(ids)
+    if not wanted:
+        return {}
+    rows = store._query("SELECT r.model_id, r.outcome FROM results r JOIN runs u ON r.run_id = u.run_id "
+                        "WHERE u.list_name=? ORDER BY r.finished_at", (list_name,))
+    return {r["model_id"]: str(r["outcome"]) for r in rows if r["model_id"] in wanted}
 
 
 def specs(store: ResultStore, ids: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
     """Variation id -> {"op", "spec", "source"}, the latest recorded (every variation when `ids` is None)."""
-    return {vid: {"op": r["op"], "spec": json.loads(r["spec"] or "{}"), "source": r["source"]}
+    return {vid: {"op": r["op"], "spec": _spec(vid, r["spec"]), "source": r["source"]}
             for vid, r in _latest(store.raw_rows(VARIATIONS.name), ids).items()}
+
+
+def _spec(vid: str, text: Any) -> dict[str, Any]:
+    """A variation's stored signature: a JSON object (a null, a list or damaged text is a damaged DB)."""
+    where = f"table {VARIATIONS.name}, row variation_id {vid!r}, column spec"
+    spec = decode_json(text, where, dict)
+    if not isinstance(spec, dict):
+        raise StoreError(f"{where}: holds no signature (null); the DB was damaged or written by another program: "
+                         "harvest again into a fresh DB (ops harvest)")
+    return spec
 
 
 def _latest(rows: Iterable[dict[str, Any]], ids: Iterable[str] | None) -> dict[str, dict[str, Any]]:
@@ -247,7 +289,7 @@ def run_rows(store: ResultStore, run_id: str, columns: Iterable[str]) -> pd.Data
         if c not in df.columns:
             df[c] = pd.Series([None] * len(df), dtype=object)
         elif RESULTS.types.get(c) in (dict, list):
-            df[c] = df[c].map(lambda v: json.loads(v) if isinstance(v, str) and v else None)
+            df[c] = df[c].map(lambda v, c=c: decode_json(v, f"table {RESULTS.name}, column {c}", RESULTS.types[c]))
     return df
 
 
@@ -262,5 +304,6 @@ def variation_meta(store: ResultStore, ids: Iterable[str] | None = None) -> dict
     spec = "CASE WHEN inputs IS NULL THEN spec END AS spec" if "inputs" in have else "spec"
     rows = store._query(f"SELECT variation_id, op, source, {inputs}, {spec}, finished_at FROM {VARIATIONS.name}")
     return {vid: {"op": r["op"], "source": r["source"],
-                  "inputs": json.loads(r["inputs"]) if r["inputs"] is not None else describe(json.loads(r["spec"] or "{}"))}
+                  "inputs": (decode_json(r["inputs"], f"table {VARIATIONS.name}, row variation_id {vid!r}, column inputs",
+                                         list) if r["inputs"] is not None else describe(_spec(vid, r["spec"])))}
             for vid, r in _latest(rows, ids).items()}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -355,23 +354,29 @@ _ROUNDING = {  # how each contract's operand rounding reads in plain torch
 }
 assert set(_ROUNDING) == {c.rounding for c in CONTRACTS.values() if c.rounding}, "a contract without repro rounding"
 
-_TEMPLATE = '''"""Repro (portharness): {op} on {target} is beyond its declared precision ({contract}).
+_TEMPLATE = '''"""Repro (portharness): one op on a device, beyond its declared precision. FOUND below says which op, on
+which device, under which contract, where it was found and with which inputs.
 
-{where}; inputs {inputs}.
-Found by the kernel-conformance check: rmse(fp64, target) must be <= m * rmse(fp64, expected) + {ulps} ulp,
-where expected is the op on the CPU with the {contract} contract's rounding.
-Run: python {script_name}
+Found by the kernel-conformance check: rmse(fp64, target) must be <= m * rmse(fp64, expected) + ULPS ulp,
+where expected is the op on the CPU with the contract's rounding. Run: python <this file>
 """
 
-from pathlib import Path
+# Every value below that came from a run (ids, op names, devices) is a Python literal: nothing here is code
+# made from data.
+FOUND = {found!r}
+ULPS = {ulps!r}
 
-import torch
+import importlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 {preamble}
 
-OP = torch.ops.{namespace}.{packet}.{overload}
+OP = getattr(getattr(getattr(torch.ops, {namespace!r}), {packet!r}), {overload!r})
 DEVICE = {device!r}
-saved = torch.load(Path(__file__).with_suffix(".pt"), weights_only=False)
+saved = torch.load(Path(__file__).with_suffix(".pt"), weights_only=True)  # tensors and plain values: no code
 args, kwargs = saved["args"], saved["kwargs"]
+
 
 
 def tree(fn, x):
@@ -387,7 +392,7 @@ def contract_round(t):
 
 
 expected_args = list(tree(lambda t: t.clone(), args))
-for i in {positions}:  # the operands a reduced-precision multiplier sees
+for i in {positions!r}:  # the operands a reduced-precision multiplier sees
     if i < len(expected_args) and expected_args[i].dtype is torch.float32:
         expected_args[i] = contract_round(expected_args[i])
 expected = OP(*expected_args, **tree(lambda t: t.clone(), kwargs))
@@ -397,45 +402,41 @@ target = OP(*tree(lambda t: t.to(DEVICE), args), **tree(lambda t: t.to(DEVICE), 
 
 
 def first(x):
-    return x[{output_index}] if isinstance(x, (list, tuple)) else x
+    return x[{output_index!r}] if isinstance(x, (list, tuple)) else x
 
 
 t, e, o = first(target).cpu().double(), first(expected).double(), first(oracle).double()
 rmse = lambda a, b: (a - b).square().mean().sqrt().item()  # noqa: E731
 m = 3.0 if first(expected).dtype in (torch.float16, torch.bfloat16) or e.numel() < 1000 else 2.0
-bound = m * rmse(o, e) + {ulps} * torch.finfo(first(expected).dtype).eps * o.square().mean().sqrt().item()
+bound = m * rmse(o, e) + ULPS * torch.finfo(first(expected).dtype).eps * o.square().mean().sqrt().item()
 print(f"max |target - expected| = {{(t - e).abs().max().item():.3g}}")
 print(f"rmse(fp64, target) = {{rmse(o, t):.3g}}   rmse(fp64, expected) = {{rmse(o, e):.3g}}   bound = {{bound:.3g}}")
 print("verdict:", "within the declared precision" if rmse(o, t) <= bound else "BEYOND the declared precision")
 '''
 
 
-def _name(model_id: str, op: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{model_id}--{op}").strip("._-")[:120]
-
-
 def write_repro(
     failure: OpFailure, *, contract: Contract, target: str, preamble: list[str], model_id: str, directory: Path,
     where: str | None = None,
 ) -> Path:
-    """Save the op's inputs and a script that replays it; returns the script's path. `where` says what it was
-    found in (default: model `model_id` and the failure's module)."""
+    """Save the op's inputs and a script that replays it; returns the script's path (one per model and op,
+    `files.safe_name`). `where` says what it was found in (default: model `model_id` and the failure's module).
+    Every value from the run enters the script as a `repr()` literal."""
     directory.mkdir(parents=True, exist_ok=True)
-    script = directory / f"{_name(model_id, failure.op)}.py"
+    script = directory / f"{files.safe_name(f'{model_id}--{failure.op}', limit=100)}.py"
     args, kwargs = failure.args
     with files.atomic_path(script.with_suffix(".pt")) as tmp:
         torch.save({"args": args, "kwargs": kwargs}, tmp)
-    schema_name = failure.func._schema.name
-    namespace, packet = schema_name.split("::")
+    namespace, packet = failure.func._schema.name.split("::")
+    found = {"op": failure.op, "target": target, "contract": contract.name,
+             "where": where or f"Model {model_id}, module {failure.module or '(top)'}", "inputs": list(failure.inputs)}
     files.write_text(
         script,
         _TEMPLATE.format(
-            op=failure.op, target=target, contract=contract.name,
-            where=where or f"Model {model_id}, module {failure.module or '(top)'}",
-            inputs=", ".join(failure.inputs), ulps=ULPS, script_name=script.name,
-            preamble="\n".join(preamble), namespace=namespace, packet=packet, overload=failure.func._overloadname,
-            device=target, rounding=f"return {_ROUNDING[contract.rounding]}" if contract.rounding else "return t",
-            positions=list(MULTIPLIER_ARGS.get(failure.func, ())), output_index=int(failure.output.split(":")[0]),
+            found=found, ulps=float(ULPS), preamble="\n".join(preamble), namespace=namespace, packet=packet,
+            overload=failure.func._overloadname, device=target,
+            rounding=f"return {_ROUNDING[contract.rounding]}" if contract.rounding else "return t",
+            positions=[int(i) for i in MULTIPLIER_ARGS.get(failure.func, ())], output_index=int(failure.output.split(":")[0]),
         )
     )
     return script
@@ -443,7 +444,7 @@ def write_repro(
 
 def repro_preamble(modules: list[str], extra: list[str] | None = None) -> list[str]:
     """Import lines for the backend modules plus the adapter's own setup lines."""
-    return [f"import {m}  # noqa: F401  the backend" for m in modules] + list(extra or [])
+    return [f"importlib.import_module({m!r})  # the backend" for m in modules] + list(extra or [])
 
 
 def describe(failure: OpFailure) -> dict[str, Any]:

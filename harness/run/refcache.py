@@ -79,6 +79,17 @@ def _read_index(path: Path) -> dict[str, Any]:
     return body
 
 
+def _same_parts(recorded: Any, parts: dict[str, Any]) -> None:
+    """ValueError naming the first component an entry's index records differently from `parts`."""
+    want = json.loads(json.dumps(parts, sort_keys=True, default=str))
+    if not isinstance(recorded, dict):
+        raise ValueError("the index records no key components")
+    for name in sorted(set(want) | set(recorded)):
+        if recorded.get(name) != want.get(name):
+            raise ValueError(f"the index records another {name} ({str(recorded.get(name))[:120]}; this run's: "
+                             f"{str(want.get(name))[:120]})")
+
+
 def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor contiguous on the CPU, owning its storage (safetensors refuses shared storage)."""
     out: dict[str, torch.Tensor] = {}
@@ -115,9 +126,11 @@ class RefCache:
     def path(self, key: str) -> Path:
         return self.root / "entries" / key[:2] / key
 
-    def get(self, key: str) -> tuple[Entry | None, str]:
+    def get(self, key: str, parts: dict[str, Any] | None = None) -> tuple[Entry | None, str]:
         """(the entry, "") on a hit; (None, "") when there is none; (None, why) when there was one that
-        could not be trusted (removed) or read."""
+        could not be trusted (removed) or read. `parts`: the key's components (`refkey.components`), which the
+        entry's index must record too: an index naming another torch, transformers or code version, or
+        anything else, is not this key's whatever key it claims."""
         where = self.path(key)
         if not where.is_dir():
             return None, ""
@@ -125,6 +138,8 @@ class RefCache:
             body = _read_index(where / INDEX)
             if body.get("key") != key:
                 raise ValueError("the index is another key's")
+            if parts is not None:
+                _same_parts(body.get("components"), parts)
             tensor_file = where / body["tensors"]["file"]
             size = tensor_file.stat().st_size
             if size != body["tensors"]["bytes"]:

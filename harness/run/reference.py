@@ -48,7 +48,7 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
         except NoKey as e:
             return _computed(run, {"ref_cache": f"computed (not cached: {e})"})
         key = key_of(parts)
-        hit, note = cache.get(key)
+        hit, note = cache.get(key, parts)
         if hit is not None:
             side = _from_cache(hit, run)
             if side is not None or "stop" in hit.meta:

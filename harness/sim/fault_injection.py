@@ -156,6 +156,20 @@ def parse_fault_spec(spec: str) -> dict[int, DeviceFaults]:
     return out
 
 
+def canonical_fault_spec(spec: str) -> str:
+    """One spelling per meaning of a fault spec (`parse_fault_spec`'s): clauses by device, kinds sorted,
+    numbers as Python writes floats, options only where not the default. ``sim:0=nan:1.00,crash:.5`` and
+    ``sim:0=crash:0.5,nan:1`` are the same faults, so the same run identity."""
+    clauses = []
+    for idx, f in sorted(parse_fault_spec(spec).items()):
+        kinds = ",".join(f"{k}:{float(p)!r}" for k, p in sorted(f.probabilities.items()))
+        seed = (f.seed - idx) // 1_000_003
+        opts = "".join(f"@{k}={v!r}" for k, v, default in (("seed", seed, 0), ("hang_s", float(f.hang_s), 3600.0),
+                                                             ("slow_s", float(f.slow_s), 0.001)) if v != default)
+        clauses.append(f"sim:{idx}={kinds}{opts}")
+    return ";".join(clauses)
+
+
 def on_launch(idx: int, outputs: list[torch.Tensor]) -> None:
     """Called by the dispatch path after a kernel on `sim:idx` computed `outputs` (fresh, non-aliasing)."""
     f = _switch.get().get(idx)

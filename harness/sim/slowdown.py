@@ -46,6 +46,11 @@ def parse_slow_ops(spec: str) -> dict[str, float]:
     return out
 
 
+def canonical_slow_ops(spec: str) -> str:
+    """One spelling per meaning of a --slow-ops spec: ops sorted, factors as Python writes floats."""
+    return ",".join(f"{op}:{f!r}" for op, f in sorted(parse_slow_ops(spec).items()))
+
+
 def _known_op(name: str) -> bool:
     """Whether torch has the op `name` (``ns::op`` or ``ns::op.overload``)."""
     import torch
