@@ -35,7 +35,8 @@ _OUTCOME_WEIGHTS: dict[str, float] = {
     "pass_declared": 0.05,
     "missing_grad": 0.005,
     "skipped": 0.005,  # split from missing_grad's share: the draws of every other outcome stay as they were
-    "compile_fail": 0.005,  # likewise
+    "compile_fail": 0.0025,  # likewise
+    "ref_timeout": 0.0025,  # split from compile_fail's share, likewise
 }
 # A new outcome in harness/outcomes.py must get a weight here, or the report tests never see it.
 assert set(_OUTCOME_WEIGHTS) == set(OUTCOMES), set(OUTCOMES) ^ set(_OUTCOME_WEIGHTS)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.cli.options import check_command
+from harness.files import safe_name
 from harness.report.build import build_report
-from harness.report.views import safe_name
 from harness.results.rows import ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.run.generate import token_text, tokenizer_for

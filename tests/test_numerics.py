@@ -99,8 +99,8 @@ def test_planted_bug_is_drift_localized_to_its_op(tmp_path: Path, clean, kind, u
     assert repro.is_file() and repro.with_suffix(".pt").is_file()
     r = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and "BEYOND the declared precision" in r.stdout, r.stderr[-2000:]
+    from harness.files import safe_name
     from harness.report import build_report
-    from harness.report.views import safe_name
 
     site = tmp_path / "site"
     build_report(db, site)

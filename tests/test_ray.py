@@ -147,6 +147,15 @@ def test_the_op_worklist_through_ray_gives_the_local_executors_outcomes(tmp_path
     assert here and here == there, (here, there)
     nodes = {label(cluster, n) for n in [cluster.head_node, *cluster.worker_nodes]}
     assert {x["host"] for x in rows(far) if x["model_id"] in there} <= nodes
+    # the harvest ran on the cluster too (issue 48, cause 6), not on the driver's CPU
+    assert "harvesting the op calls of 1 model(s) of" in r.stderr and "on the ray cluster's nodes" in r.stderr
+    harvest = [x for x in rows(far) if x["model_id"] == "tiny/bert/masked-lm"]
+    assert len(harvest) == 1 and harvest[0]["host"] in nodes, harvest
+    # a device index no node has is said as such (cause 15), not as a resource the nodes lack
+    r = cli("ops", "--list", str(lst), "--db", str(far), "--executor", "ray", "--ray-address", cluster.address,
+            "--target", "sim:5", "--quiet")
+    assert r.returncode == 2 and "no node of the Ray cluster" in r.stderr and "has a device sim:5" in r.stderr, r.stderr
+    assert "sim:0..sim:0" in r.stderr and "'sim' resource" not in r.stderr, r.stderr
 
 
 @pytest.mark.slow

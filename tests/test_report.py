@@ -14,9 +14,9 @@ import pandas as pd
 import pytest
 
 from harness.cli import main as cli_main
+from harness.files import safe_name
 from harness.report.build import build_report
 from harness.report.svg import svg_bars, svg_histogram
-from harness.report.views import safe_name
 from harness.results.rows import CollectiveRow, ResultRow, RunInfo
 from harness.results.store import ResultStore
 

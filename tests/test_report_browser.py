@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.files import safe_name
 from harness.fleet.runner import RunConfig, run_models
 from harness.models.model_list import load_model_list
 from harness.report.build import build_report
-from harness.report.views import safe_name
 from harness.results.rows import ResultRow
 from harness.results.store import ResultStore
 
