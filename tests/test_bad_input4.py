@@ -530,3 +530,21 @@ def test_16_an_entry_whose_index_names_another_version_is_recomputed(tmp_path: P
     hit, note = cache.get(key, parts)
     assert hit is None and "another versions" in note and "1.0.0" in note, note
     assert not cache.path(key).exists()  # removed: the next run stores a true one
+
+
+def test_2_a_report_copies_only_repro_scripts_portharness_wrote(tmp_path: Path) -> None:
+    """A DB names any path it likes as a row's repro: a secret beside it must not be published with the site."""
+    from harness.report.build import build_report
+
+    secret = tmp_path / "id_rsa.py"
+    secret.write_text("PRIVATE KEY\n")
+    ours = _repro(tmp_path, "m")
+    db = tmp_path / "r.db"
+    with ResultStore(db) as st:
+        rid = st.begin_run(RunInfo(list_name="l.csv", target="sim", settings={}))
+        for mid, path in (("a", secret), ("b", ours)):
+            st.record(ResultRow(run_id=rid, model_id=mid, target="sim", settings={}, outcome="drift",
+                                repro_path=str(path)))
+    build_report(db, tmp_path / "site")
+    copied = sorted(p.name for p in (tmp_path / "site" / "repro").iterdir())
+    assert copied == sorted([ours.name, ours.with_suffix(".pt").name]), copied

@@ -33,6 +33,7 @@ from harness.report.links import Command, row_links
 from harness.report.nightly import regression_groups_view, trend_view
 from harness.report.parallel import in_parallel, page_workers
 from harness.report.perf import perf_diff_view, perf_row_view, speed_view
+from harness.report.repros import copy_repros
 from harness.report.summary import summary_view
 from harness.report.views import (
     diff_view,
@@ -366,22 +367,6 @@ def _render_collective_faults(site: _Site, data: _RunData) -> None:
     site.render("collective-faults.html", FAULTS_PAGE, faults_runs=other, **collective_faults_view(data.faults))
 
 
-def _copy_repros(site: _Site, rows: list[dict[str, Any]]) -> dict[str, str]:
-    """Copy each row's repro (script + saved inputs) into the site; repro path -> link from a model page."""
-    links: dict[str, str] = {}
-    for r in rows:
-        path = Path(str(r.get("repro_path") or ""))
-        if not path.name or not path.is_file():
-            continue
-        dest = site.out / "repro"
-        dest.mkdir(exist_ok=True)
-        for f in (path, path.with_suffix(".pt")):
-            if f.is_file():
-                shutil.copyfile(f, dest / f.name)
-        links[str(path)] = f"../repro/{path.name}"
-    return links
-
-
 def _render_models(
     site: _Site, df: pd.DataFrame, hist: pd.DataFrame, hrefs: dict[str, str], also: Callable[[], None] | None = None,
     links: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
@@ -391,7 +376,7 @@ def _render_models(
     history = history_view(hist)
     by_model: dict[str, list[dict[str, Any]]] = {}
     rows_all = records(df)
-    repro_links = _copy_repros(site, rows_all)
+    repro_links = copy_repros(site.out, rows_all)
     for r in rows_all:
         r["repro_link"] = repro_links.get(str(r.get("repro_path") or ""), "")
         by_model.setdefault(r["model_id"], []).append(r)
@@ -459,7 +444,7 @@ def _render_worklist(site: _Site, work: Worklist | None, hrefs: dict[str, str]) 
     if not pages:
         return
     assert work is not None
-    links = _copy_repros(site, [r for r in work.variations.to_dict("records") if r.get("repro_path")])
+    links = copy_repros(site.out, [r for r in work.variations.to_dict("records") if r.get("repro_path")])
     (site.out / OP_DIR).mkdir(exist_ok=True)
     for page in op_pages(work, hrefs, links):
         site.render("op.html", page["file"], root="../", active="ops.html", page=page)
