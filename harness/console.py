@@ -14,7 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.outcomes import BEYOND, BY_NAME, DEVICE_SIDE, JUDGEMENTS, OUTCOMES, headline, output_judgement
-from harness.results.rows import PHASES, compile_summary, round_floats
+from harness.phases import PHASES
+from harness.results.rows import compile_summary, round_floats
 
 SHOW_OUTPUTS = 16  # outputs listed by `check`; the rest are summarised (all are in --json)
 
@@ -24,6 +25,7 @@ _VERDICT_FIELDS = [
     ("arch / task", None),
     ("target", "device"),
     ("settings", None),
+    ("before it died", "earlier_outcome"),
     ("unsupported op", None),
     ("cpu fallback", None),
     ("error", None),

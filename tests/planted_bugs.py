@@ -8,11 +8,16 @@ lives in sim's kernels where the op check sees it directly):
   result scaled by (1 + EPS): a normalization layer slightly off, the size of bf16 rounding or below.
 - ``PLANTED_BUG=kv_cache:EPS:STEP``: transformers' KV cache layers, on any non-CPU device, store the
   values of decoding step STEP and later scaled by (1 + EPS) (step 0 is the prompt's forward).
+- ``PLANTED_BUG=at_highest:segv`` / ``at_highest:hang``: `layer_norm` on a sim device at sim's highest
+  precision (read through sim's public API, as a vendor's extension would) kills its process with SIGSEGV,
+  or never returns: a kernel that fails only at full precision.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Callable
 
 import torch
@@ -51,6 +56,23 @@ def _plant_kv_cache(off: float, step: int) -> Callable[[], None]:
     return lambda: [setattr(cls, "update", clean) for cls, clean in undo] and None
 
 
+def _plant_at_highest(how: str) -> Callable[[], None]:
+    clean = torch.nn.functional.layer_norm
+
+    def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # torch's signature
+        if input.device.type == "sim":
+            import harness.sim
+
+            if harness.sim.get_precision() == "highest":
+                if how == "segv":
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                time.sleep(3600)
+        return clean(input, normalized_shape, weight, bias, eps)
+
+    torch.nn.functional.layer_norm = layer_norm
+    return lambda: setattr(torch.nn.functional, "layer_norm", clean)
+
+
 def plant(spec: str) -> Callable[[], None]:
     """Plant the bug `spec` names in this process; returns what takes it out again."""
     kind, *args = spec.split(":")
@@ -58,7 +80,9 @@ def plant(spec: str) -> Callable[[], None]:
         return _plant_layer_norm(float(args[0]))
     if kind == "kv_cache":
         return _plant_kv_cache(float(args[0]), int(args[1]))
-    raise ValueError(f"PLANTED_BUG={spec!r}: layer_norm:EPS or kv_cache:EPS:STEP")
+    if kind == "at_highest" and args and args[0] in ("segv", "hang"):
+        return _plant_at_highest(args[0])
+    raise ValueError(f"PLANTED_BUG={spec!r}: layer_norm:EPS, kv_cache:EPS:STEP or at_highest:segv|hang")
 
 
 if os.environ.get("PLANTED_BUG"):

@@ -112,6 +112,7 @@ def test_1_a_death_by_timeout_is_the_reference_sides_in_its_phases_and_the_targe
         noun = "worker"
         killed_for = "timeout"
         cause = ""
+        found = None
 
         def __init__(self, phase: str) -> None:
             self.clock = JobClock(phase=phase, started=0.0, phase_started=0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness.fleet.budgets import Budgets, JobClock
-from harness.results.rows import COMPILE_PHASE as COMPILE
+from harness.phases import COMPILE_PHASE as COMPILE
 
 TIMEOUT, LOAD, COMPILE_S = 10.0, 30.0, 20.0
 BUDGETS = Budgets(TIMEOUT, LOAD, COMPILE_S)

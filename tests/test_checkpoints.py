@@ -15,7 +15,7 @@ import torch
 from harness.models.load import load_model
 from harness.models.model_list import ModelEntry, find_entry
 from harness.models.tiny import build_tiny
-from harness.results.rows import PHASES
+from harness.phases import PHASES
 from harness.run import modes, oracle, pipeline
 from harness.run.pipeline import Task, run_one
 

@@ -19,7 +19,9 @@ import pytest
 
 from harness.models.model_list import find_entry
 from harness.run.pipeline import Task, run_one
-from harness.run.variants import CONFIRMED, HIDDEN, UNCONFIRMED, confirm_fields, locate_fields
+from harness.verdict import CONFIRMED, HIDDEN, UNCONFIRMED
+from harness.verdict import confirmed as confirm_fields
+from harness.verdict import located as locate_fields
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

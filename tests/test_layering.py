@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "harness"
 
 # README's table, top to bottom: a module may import its own stage and the ones before it.
 STAGES: list[tuple[str, ...]] = [
-    ("outcomes", "speed", "files", "csvio", "comms"),
+    ("outcomes", "phases", "verdict", "speed", "files", "csvio", "comms"),
     ("sim",),
     ("results",),
     ("backends",),

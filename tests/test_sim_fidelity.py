@@ -43,7 +43,7 @@ def _failures(results: list[conformance.SampleResult]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", CONTRACTS, ids=[c.name for c in CONTRACTS])
-def test_contract(case: contracts.Contract):
+def test_contract(case: contracts.EdgeContract):
     r = contracts.run_contract(case)
     assert r.status in ("passed", "skipped"), f"[{r.klass}] {r.reason}"
 
@@ -89,19 +89,19 @@ def test_bitwise_comparison_sees_the_sign_of_zero():
 
 
 def test_errors_compare_by_type_and_message():
-    cpu = conformance.Outcome(error=RuntimeError("index 5 is out of bounds for dimension 0 with size 3 on cpu"))
-    same = conformance.Outcome(error=RuntimeError("index 5 is out of bounds for dimension 0 with size 3 on sim:0"))
-    other = conformance.Outcome(error=IndexError("index 5 is out of bounds for dimension 0 with size 3 on sim:0"))
-    assert conformance.judge(cpu, same, exact=True, kind="error").status == "passed"
-    assert conformance.judge(cpu, other, exact=True, kind="error").status == "failed"
-    computed = conformance.Outcome(value=torch.zeros(1, device="sim"))
-    r = conformance.judge(cpu, computed, exact=True, kind="alias")
+    cpu = conformance.Observed(error=RuntimeError("index 5 is out of bounds for dimension 0 with size 3 on cpu"))
+    same = conformance.Observed(error=RuntimeError("index 5 is out of bounds for dimension 0 with size 3 on sim:0"))
+    other = conformance.Observed(error=IndexError("index 5 is out of bounds for dimension 0 with size 3 on sim:0"))
+    assert conformance.compare_sides(cpu, same, exact=True, kind="error").status == "passed"
+    assert conformance.compare_sides(cpu, other, exact=True, kind="error").status == "failed"
+    computed = conformance.Observed(value=torch.zeros(1, device="sim"))
+    r = conformance.compare_sides(cpu, computed, exact=True, kind="alias")
     assert (r.status, r.klass) == ("failed", "aliasing")
 
 
 def test_missing_kernel_is_not_a_difference():
     err = NotImplementedError("Could not run 'aten::foo' with arguments from the 'sim' backend. This could be ...")
-    r = conformance.judge(conformance.Outcome(value=1), conformance.Outcome(error=err), exact=True, kind="sample")
+    r = conformance.compare_sides(conformance.Observed(value=1), conformance.Observed(error=err), exact=True, kind="sample")
     assert r.status == "unsupported"
 
 

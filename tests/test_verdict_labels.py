@@ -11,6 +11,7 @@ from harness.outcomes import BEYOND, JUDGEMENTS, WITHIN_DECLARED, WITHIN_FP32, o
 from harness.report.decoding import decoding_view
 from harness.report.views import row_view
 from harness.run.compare import Tolerance, compare_outputs
+from harness.verdict import StepEvidence, step
 
 
 def _outputs() -> tuple[dict, dict, dict, dict]:
@@ -29,7 +30,8 @@ def test_row_outcome_and_labels_come_from_the_same_judgement() -> None:
         v = compare_outputs({k: ref for k in picked}, {k: targets[names[k]] for k in picked},
                             {k: oracle for k in picked}, Tolerance(), {k: expected for k in picked})
         stored = {c.name: c.to_dict() for c in v.checks}
-        assert v.outcome == outcome == outcome_of(output_judgement(m) for m in stored.values())
+        found = step(StepEvidence(tuple(c.judgement for c in v.checks)))
+        assert found.outcome == outcome == outcome_of(output_judgement(m) for m in stored.values())
         assert [output_judgement(stored[k]) for k in picked] == [WITHIN_FP32, WITHIN_DECLARED, BEYOND][: len(picked)]
         assert [c.judgement for c in v.checks] == [output_judgement(m) for m in stored.values()]
 
@@ -46,7 +48,8 @@ def _pass_declared_row(mode: str = "inference") -> dict:
     names = [f"logits/step{k}" for k in range(3)] if mode == "generate" else ["last_hidden_state", "pooler_output"]
     v = compare_outputs({n: ref for n in names}, {n: targets["within" if i else "exact"] for i, n in enumerate(names)},
                         {n: oracle for n in names}, Tolerance(), {n: expected for n in names})
-    row = {"model_id": "tiny/bert/base", "outcome": v.outcome, "config": "sim", "contract": "bf16-matmul",
+    row = {"model_id": "tiny/bert/base", "outcome": step(StepEvidence(tuple(c.judgement for c in v.checks))).outcome,
+           "config": "sim", "contract": "bf16-matmul",
            "metrics": {c.name: c.to_dict() for c in v.checks}, **v.summary()}
     if mode == "generate":
         row.update(new_tokens=3, first_drift_step=None, tokens_matched=3, ref_tokens=[[1, 2, 3]], target_tokens=[[1, 2, 3]])

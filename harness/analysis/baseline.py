@@ -262,7 +262,7 @@ def _flaky_reason(model: str, flaky: dict[str, str]) -> str | None:
 
 
 @dataclass
-class Verdict:
+class ModelStatus:
     """One model's classification against the expected file."""
 
     model: str
@@ -280,7 +280,7 @@ class CheckResult:
     config: Config
     run_id: str
     expected_path: str
-    verdicts: list[Verdict] = field(default_factory=list)
+    verdicts: list[ModelStatus] = field(default_factory=list)
     new_failure_groups: list[FailureGroup] = field(default_factory=list)
     perf: PerfGate | None = None  # against the perf baseline beside the expected file, when there is one
     perf_path: str = ""
@@ -293,14 +293,14 @@ class CheckResult:
         return c
 
     @property
-    def gating(self) -> list[Verdict]:
+    def gating(self) -> list[ModelStatus]:
         return [v for v in self.verdicts if v.status in GATING]
 
     @property
     def ok(self) -> bool:
         return not self.gating and not (self.perf is not None and self.perf.regressions)
 
-    def by_status(self, status: str) -> list[Verdict]:
+    def by_status(self, status: str) -> list[ModelStatus]:
         return [v for v in self.verdicts if v.status == status]
 
     def to_dict(self) -> dict[str, Any]:
@@ -401,7 +401,7 @@ def check(
         exp, row = expected.rows.get(model), rows.get(model)
         actual = None if row is None else str(row["outcome"])
         status, note = classify(exp, actual, flaky_reason=_flaky_reason(model, flaky))
-        v = Verdict(model, status, expected=exp.outcome if exp else "", actual=actual or "",
+        v = ModelStatus(model, status, expected=exp.outcome if exp else "", actual=actual or "",
                     expected_detail=exp.detail if exp else "", actual_detail=detail_of(row) if row else "",
                     note=note)
         if status == "expected_failure" and v.expected_detail != v.actual_detail:

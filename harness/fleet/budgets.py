@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from harness.results.rows import COMPILE_PHASE as COMPILE
+from harness.phases import COMPILE_PHASE as COMPILE
 
 
 @dataclass

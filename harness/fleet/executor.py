@@ -11,13 +11,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from harness import verdict
 from harness.fleet.budgets import Budgets, JobClock
+from harness.fleet.policy import Job
 from harness.fleet.pool import PRELOAD, Event, Pool, context
-from harness.results.rows import PHASE_DOING, REFERENCE_PHASES, Measurement
+from harness.phases import PHASE_DOING
+from harness.results.rows import Measurement
 
 
 class PoolWorker(Protocol):
@@ -28,15 +32,16 @@ class PoolWorker(Protocol):
     device: str  # the device as its own process names it
     host: str
     ready: bool
-    job: Any  # the runner's job in flight (None: idle)
+    job: Job | None  # the runner's job in flight (None: idle)
     clock: JobClock  # that job's phase and budget state
+    found: dict[str, Any] | None  # what that job had established when it last said so (its first verdict)
     killed_for: str | None  # why the pool or the runner killed it ("timeout", "quarantine", ...)
     cause: str  # what is known of its death beyond the exit status
 
     @property
     def busy(self) -> bool: ...
 
-    def send(self, job: Any, payload: Any) -> None: ...
+    def send(self, job: Job, payload: dict[str, Any]) -> None: ...
 
     def kill(self, reason: str) -> None: ...
 
@@ -50,16 +55,16 @@ class WorkerPool(Protocol):
     memory, startup; on a cluster also lost: its node left, and interrupted: it could not be reached)."""
 
     per_device: int | None  # workers one device may hold (None: any number)
-    workers: list[Any]  # its `PoolWorker`s
+    workers: list[PoolWorker]
     started: int  # workers started, replacements included
 
-    def spawn(self, key: str) -> Any: ...
+    def spawn(self, key: str) -> PoolWorker: ...
 
-    def retire(self, w: Any) -> None: ...
+    def retire(self, w: PoolWorker) -> None: ...
 
     def poll(self, max_wait: float = 1.0) -> list[Event]: ...
 
-    def node_devices(self, w: Any) -> list[str]: ...
+    def node_devices(self, w: PoolWorker) -> list[str]: ...
 
     def close(self) -> None: ...
 
@@ -177,24 +182,32 @@ def executor_for(name: str) -> Executor:
 
 
 def death(w: PoolWorker, budgets: Budgets) -> Measurement:
-    """The measurement of a job whose worker (or Ray actor) died or was killed under it."""
+    """The measurement of a job whose worker (or Ray actor) died or was killed under it: the outcome is
+    `harness.verdict.death`'s, and what the job had established before (`PoolWorker.found`) stays in the row."""
     code, sig = w.death()
+    phase = w.clock.phase
+    outcome = verdict.death(verdict.DeathEvidence(phase, w.killed_for, sig))
     where = {"model_id": w.job.id if w.job is not None else "", "device": w.device, "host": w.host,
              "worker_output": getattr(w, "output", "")}  # a local worker's output during the job (capture.py)
-    if w.killed_for == "timeout":
-        error_type, why = budgets.why(w.clock, w.key)
-        phase = w.clock.phase
-        if phase in REFERENCE_PHASES:  # the host's side ran out of time: nothing is known of the target
+    extra: dict[str, Any] = {"signal": sig}
+    if outcome in ("timeout", "ref_timeout"):
+        error_type, message = budgets.why(w.clock, w.key)
+        message += f"; {w.noun} killed"
+        if outcome == "ref_timeout":  # the host's side ran out of time: nothing is known of the target
             flag = "--load-timeout" if phase == "load" else "--timeout"
-            return Measurement(**where, outcome="ref_timeout", error_type=error_type, signal=sig, error_message=(
-                f"{why}; {w.noun} killed while {PHASE_DOING.get(phase, phase)}, before the target ran: the reference "
-                f"side's time, not the target's (raise {flag} for this model)"))
-        return Measurement(**where, outcome="timeout", error_type=error_type, signal=sig,
-                           error_message=f"{why}; {w.noun} killed")
-    if sig == signal.SIGKILL:
-        return Measurement(**where, outcome="oom", error_type="WorkerKilled", signal=sig,
-                           error_message=f"{w.noun} on {w.key} was SIGKILLed ({w.cause or 'likely the OOM killer'})")
-    name = signal.Signals(sig).name if sig else f"exit code {code}" if code is not None else w.cause or "no exit status"
-    return Measurement(**where, outcome="crash", error_type="WorkerDied", signal=sig,
-                       exit_code=None if sig else code, error_message=f"{w.noun} process on {w.key} died: {name}",
-                       traceback=getattr(w, "fatal", "")[:4000])  # its head: the signal, the crashing thread
+            message += (f" while {PHASE_DOING.get(phase, phase)}, before the target ran: the reference side's time, "
+                        f"not the target's (raise {flag} for this model)")
+    elif outcome == "oom":
+        error_type = "WorkerKilled"
+        message = f"{w.noun} on {w.key} was SIGKILLed ({w.cause or 'likely the OOM killer'})"
+    else:
+        error_type = "WorkerDied"
+        name = signal.Signals(sig).name if sig else f"exit code {code}" if code is not None else w.cause or "no exit status"
+        message = f"{w.noun} process on {w.key} died: {name}" + (f" in phase {phase} ({PHASE_DOING.get(phase, phase)})"
+                                                                  if phase else "")
+        extra.update(exit_code=None if sig else code, traceback=getattr(w, "fatal", "")[:4000])  # the crashing thread
+    fields = verdict.after_death(outcome, message, phase, w.found)
+    if w.found is not None:
+        fields["phases"] = {**w.found.get("phases", {}),
+                            phase: {"s": round(max(0.0, time.monotonic() - w.clock.phase_started), 3), "ended": outcome}}
+    return Measurement(**where, error_type=error_type, **extra, **fields)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from harness.results.rows import PHASE_DOING
+from harness.phases import PHASE_DOING
 
 
 class PhaseNotices:

@@ -8,7 +8,8 @@ Words. An attempt *survives* when its worker lived to report a target-side outco
 fault (pass, drift, unsupported_op, a raised crash, oom, ...): the device can run models, and that
 model becomes its *canary*. It *runs cleanly* when the target ran it to the end (pass, pass_declared,
 drift, missing_grad): the model is fine. A *death* is a worker that died or timed out in a phase that
-runs on the device (target, localize), the reference having passed. A device's *streak* is the
+runs on the device (`harness.phases`: the step, its re-runs at full precision, eagerly or recompiled, the
+localization, the timing), the reference having passed. A device's *streak* is the
 distinct models that died on it since it last survived one. A device is *trusted* when it is active,
 has survived a model, has no strike and no other model in its streak.
 
@@ -89,11 +90,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABLE, severity
+from harness.phases import DEVICE_PHASES  # where a death is evidence against the device
 from harness.results.rows import Attempt, Measurement
 
 POOL_START_GRACE_S = 60.0
-DEVICE_PHASES = frozenset({"target", "localize", "eager"})  # phases that run on the device, after the reference
-# (the compiler's, "compile", runs on the host: a hang or crash there strikes no device)
 
 
 @dataclass(eq=False)

@@ -90,6 +90,7 @@ class Worker:
         self.ready = False
         self.job: Any = None  # the caller's handle for the job in flight
         self.clock = JobClock()  # the job's phase, as the child reported it, and its budget state
+        self.found: dict[str, Any] | None = None  # what the job had established when it last said so
         self.done = 0  # jobs finished by this worker
         self.killed_for: str | None = None
 
@@ -100,6 +101,7 @@ class Worker:
     def send(self, job: Any, payload: Any) -> None:
         self.job = job
         self.clock = JobClock.start(time.monotonic())
+        self.found = None
         self.conn.send(payload)
 
     def kill(self, reason: str) -> None:
@@ -217,6 +219,8 @@ class Pool:
                 out.append(Event("ready", w, msg))
             elif msg.get("type") == "phase":
                 w.clock.enter(msg["name"], time.monotonic())
+                if "found" in msg:
+                    w.found = msg["found"]
             elif msg.get("type") == "result":
                 out.append(Event("result", w, msg["result"]))
                 w.done += 1
@@ -269,9 +273,10 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> None:
+def serve(conn: Any, handle: Callable[[Any, Callable[..., None]], Any]) -> None:
     """Child side: announce readiness, then answer each job with `handle(job, phase)` until told to stop;
-    `phase(name)` tells the supervisor which phase the job is in (its time budget may differ). Ctrl-C is
+    `phase(name)` tells the supervisor which phase the job is in (its time budget may differ), `phase(name,
+    found)` also what the job has established (kept should the worker die later). Ctrl-C is
     the supervisor's to handle (it stops every child): a child ignores it rather than print a traceback."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
@@ -280,8 +285,8 @@ def serve(conn: Any, handle: Callable[[Any, Callable[[str], None]], Any]) -> Non
     except OSError:  # the supervisor stopped (SIGTERM, Ctrl-C) while this child started: no traceback
         return
 
-    def phase(name: str) -> None:
-        conn.send({"type": "phase", "name": name})
+    def phase(name: str, found: dict[str, Any] | None = None) -> None:
+        conn.send({"type": "phase", "name": name, **({"found": found} if found is not None else {})})
 
     while True:
         try:

@@ -17,6 +17,7 @@ This module is imported on every node before the actor's constructor runs: it im
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 import tempfile
@@ -30,8 +31,17 @@ STATE_DIR = Path(tempfile.gettempdir()) / "portharness-ray"
 _WIDTH = 128  # bytes of the phase file: "<phase> <started> <window start> <spent>", space-padded
 
 
-def _paths(pid: int) -> tuple[Path, Path]:
-    return STATE_DIR / f"{pid}.phase", STATE_DIR / f"{pid}.fatal"
+def _paths(pid: int) -> tuple[Path, Path, Path]:
+    """The phase file, the fatal-signal report and what the job has established (`found`, JSON) of actor `pid`."""
+    return STATE_DIR / f"{pid}.phase", STATE_DIR / f"{pid}.fatal", STATE_DIR / f"{pid}.found"
+
+
+def _found(path: Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _alive(pid: int) -> bool:
@@ -61,24 +71,29 @@ def _budget(text: str) -> tuple[str, float, float] | None:
     return clock.phase, time.monotonic() - clock.phase_started, clock.spent  # the node's clock, as the actor's
 
 
-def peek(pid: int) -> tuple[str, float, float] | None:
-    """The job actor `pid` (alive) is running: `_budget` of its phase file."""
+def peek(pid: int) -> tuple[str, float, float, dict[str, Any] | None] | None:
+    """The job actor `pid` (alive) is running: `_budget` of its phase file, and what the job has established."""
     try:
-        return _budget(_paths(pid)[0].read_text(errors="replace"))
+        budget = _budget(_paths(pid)[0].read_text(errors="replace"))
     except (OSError, ValueError):
         return None
+    return None if budget is None else (*budget, _found(_paths(pid)[2]))
 
 
-def autopsy(pid: int) -> tuple[str, str]:
-    """(phase, fatal-signal report) that actor `pid`, dead, left on this node; both files removed."""
+def autopsy(pid: int) -> tuple[str, str, dict[str, Any] | None]:
+    """(phase, fatal-signal report, what the job had established) that actor `pid`, dead, left on this node;
+    its files removed."""
+    phase_path, fatal_path, found_path = _paths(pid)
     out = []
-    for path in _paths(pid):
+    for path in (phase_path, fatal_path):
         try:
             out.append(path.read_text(errors="replace").strip())
         except OSError:
             out.append("")
+    found = _found(found_path)
+    for path in _paths(pid):
         path.unlink(missing_ok=True)
-    return out[0].split(" ")[0], out[1]
+    return out[0].split(" ")[0], out[1], found
 
 
 def repro_files(script: str) -> dict[str, bytes]:
@@ -117,7 +132,7 @@ class DeviceActor:
 
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         _sweep()
-        phase_path, fatal_path = _paths(os.getpid())
+        phase_path, fatal_path, self._found_path = _paths(os.getpid())
         self._phase_fd = os.open(phase_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fatal = open(fatal_path, "w")  # open for the actor's life: faulthandler writes here
         faulthandler.enable(file=self._fatal)
@@ -139,7 +154,11 @@ class DeviceActor:
         """One model: its Measurement and its repro files."""
         clock = JobClock.start(time.monotonic())  # as a local pool keeps its worker's
 
-        def phase(name: str) -> None:
+        def phase(name: str, found: dict[str, Any] | None = None) -> None:
+            if found is not None:  # whole or not at all, before the phase that could lose it begins
+                tmp = self._found_path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(found, default=str))
+                os.replace(tmp, self._found_path)
             clock.enter(name, time.monotonic())
             line = clock.line()
             os.pwrite(self._phase_fd, line.encode()[:_WIDTH].ljust(_WIDTH), 0)  # survives a crash right after
@@ -150,6 +169,7 @@ class DeviceActor:
                 time.sleep(1)  # is going, and its death, not this result, is the model's last word
         finally:
             os.pwrite(self._phase_fd, b" " * _WIDTH, 0)
+            self._found_path.unlink(missing_ok=True)
         return m, repro_files(m.repro_path)
 
     def bye(self) -> None:

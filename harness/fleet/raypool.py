@@ -65,6 +65,7 @@ class RayWorker:
         self.ready = False
         self.job: Any = None
         self.clock = JobClock()  # as a local worker's, as last read from its node
+        self.found: dict[str, Any] | None = None  # what the job had established, as last read from its node
         self.check_at = 0.0  # when the driver next reads the job's budget from its node
         self.done = 0
         self.killed_for: str | None = None
@@ -81,6 +82,7 @@ class RayWorker:
     def send(self, job: Any, payload: Any) -> None:
         self.job = job
         self.clock = JobClock.start(time.monotonic())
+        self.found = None
         self.check_at = self.clock.started + self.first_check_s
         self.run_ref = self.actor.run.remote(payload)
 
@@ -222,8 +224,9 @@ class RayPool:
             return False
         if got is None or not w.busy:
             return False
-        phase, window_age, spent = got
+        phase, window_age, spent, found = got
         w.clock.phase, w.clock.spent = phase, spent
+        w.found = found
         w.clock.phase_started = time.monotonic() - window_age
         return True
 
@@ -287,11 +290,13 @@ class RayPool:
         fatal-signal report. Raises when the node cannot answer."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        phase, fatal = self.ray.get(self.autopsy.options(
+        phase, fatal, found = self.ray.get(self.autopsy.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(w.slot.node_id, soft=False)).remote(w.pid),
             timeout=AUTOPSY_TIMEOUT_S)
         if w.busy and phase:
             w.clock.phase = phase
+        if w.busy and found is not None:
+            w.found = found
         return fatal
 
     def _deadlines(self) -> list[Event]:

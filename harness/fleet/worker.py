@@ -41,7 +41,7 @@ def task_payload(task: Task) -> dict[str, Any]:
 WORKER_IMPORTS = ("transformers.modeling_utils", "harness.run.pipeline")
 
 
-def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] | None = None,
+def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | None = None,
              host: str = "") -> Measurement:
     """One model on this worker's device (on `host`: default this machine's name); a harness bug
     becomes a crash row, never a dead worker."""
@@ -52,10 +52,10 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[[str], None] 
 
     quiet = _quiet_lock(task.quiet_lock, task.quiet_wait_s)
 
-    def on_phase(name: str) -> None:
+    def on_phase(name: str, found: dict[str, Any] | None = None) -> None:
         current[0] = name
         if phase is not None:
-            phase(name)
+            phase(name) if found is None else phase(name, found)
         if quiet is not None:
             quiet.enter(name)
 
@@ -130,7 +130,7 @@ def worker_main(
     output = JobOutput()
     faulthandler.enable(file=2)  # fd 2 itself (sys.stderr need not be it): the job's file while a job runs
 
-    def job(payload: dict[str, Any], phase: Callable[[str], None]) -> Measurement:
+    def job(payload: dict[str, Any], phase: Callable[..., None]) -> Measurement:
         with output:
             m = run_task(payload, device, phase)
         m.worker_output = output.text()

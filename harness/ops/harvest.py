@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness import verdict
 from harness.models.model_list import ModelEntry
 from harness.ops.signature import Signature, Unrepresentable, call_key, merge_gens, observations
+from harness.phases import HARVEST, LOAD
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception
 from harness.run.context import Task, load
@@ -130,11 +132,11 @@ def harvest_model(task: Task, on_phase: Callable[[str], None] | None = None) -> 
 
     stage = "load"
     try:
-        t0 = phase("load")
+        t0 = phase(LOAD.name)
         loaded, inputs = load(entry, task)
         phases["load"] = {"s": round(time.perf_counter() - t0, 4)}
         stage = "reference"
-        t0 = phase("harvest")
+        t0 = phase(HARVEST.name)
         mode = mode_for(task.settings)
         model = loaded.model
         plan = mode.plan(model, loaded, entry, inputs, task.seed)
@@ -143,11 +145,11 @@ def harvest_model(task: Task, on_phase: Callable[[str], None] | None = None) -> 
             plan.step(model, plan.inputs)
         phases["harvest"] = {"s": round(time.perf_counter() - t0, 4)}
         harvest = h.result()
-        fields: dict[str, Any] = {"outcome": "pass", "harvest": harvest,
+        fields: dict[str, Any] = {"outcome": verdict.harvested(), "harvest": harvest,
                                   "error_message": f"{len(harvest['uses'])} variations, "
                                                    f"{sum(harvest['uses'].values())} calls"}
     except Skip as e:
-        fields = {"outcome": "skipped", "error_message": str(e)}
+        fields = {"outcome": verdict.harvested(applies=False), "error_message": str(e)}
     except Exception as e:
         fields = classify_exception(e, None, stage)
     return Measurement(model_id=entry.id, device=task.target, phases=phases, load_time_s=phases.get("load", {}).get("s"),

@@ -28,9 +28,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from harness import verdict
 from harness.backends import Adapter, adapter_for
 from harness.backends.contracts import Contract, Emulate, contract
 from harness.ops.signature import display, regenerate, resolve
+from harness.outcomes import BEYOND, WITHIN_FP32, judge
+from harness.phases import COMPARE, REFERENCE, TARGET
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain, target_failure
 from harness.run.context import Stop, Task
@@ -41,7 +44,7 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "empty_permu
                             "new_empty_strided"})
 
 
-ANNOUNCED = ("reference", "target")
+ANNOUNCED = (REFERENCE.name, TARGET.name)  # where the budget and the policy differ
 
 
 @dataclass
@@ -113,7 +116,7 @@ def run_variation(task: Task, on_phase: Callable[[str], None] | None = None) -> 
 def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManager]) -> dict[str, Any]:
     adapter = adapter_for(task.target)
     declared = contract(adapter.declared_precision(task.settings))
-    with phase("reference"):
+    with phase(REFERENCE.name):
         try:
             call = call_for(task.variation, task.seed)
         except Exception as e:
@@ -122,15 +125,16 @@ def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManag
             ref = _reference(call, declared)
         except Exception as e:
             raise Stop(_host_side(e, "reference")) from None
-    with phase("target"):
+    with phase(TARGET.name):
         got, census = _target(call, task, adapter)
     out: dict[str, Any] = {**census_fields(census), "contract": declared.name}
     if call.random or ref.varies:
         name = call.overload._schema.name.removeprefix("aten::") if call.overload is not None else ""
         what = ("its result is uninitialised memory" if name in _UNINITIALISED else "a random op" if call.random
                 else "the CPU itself gives different values run to run")
-        return {**out, "outcome": "skipped", "error_message": f"ran on {task.target} without error; not compared ({what})"}
-    with phase("compare"):
+        return {**out, "outcome": verdict.reference(applies=False),
+                "error_message": f"ran on {task.target} without error; not compared ({what})"}
+    with phase(COMPARE.name):
         out.update(_verdict(call, ref, got, declared, task))
     return out
 
@@ -138,10 +142,7 @@ def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManag
 def _host_side(e: BaseException, stage: str) -> dict[str, Any]:
     """A failure before the target ran: the regenerated inputs or the CPU's (never the target's; memory it
     could not get here is the harness's inputs, not a kernel's)."""
-    fields = classify_exception(e, None, stage)
-    if fields["outcome"] == "oom":
-        fields["outcome"] = "load_fail" if stage == "load" else "ref_fail"
-    return fields
+    return classify_exception(e, None, stage, host_inputs=True)
 
 
 @dataclass
@@ -246,7 +247,7 @@ def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, tas
     """pass / pass_declared / drift over every result, with the worst ratios and a drift's finding."""
     worst_fp32, worst_declared, max_abs = 0.0, 0.0, 0.0
     failure: tuple[int, float | None, str] | None = None
-    within_fp32 = True
+    judgements: list[str] = []  # each float result's, as the op check judges it
     if len(got) != len(ref.fp32):
         failure = (0, None, f"{len(got)} results vs the CPU's {len(ref.fp32)}")
     for i, (t, r) in enumerate(zip(got, ref.fp32, strict=False)):
@@ -278,27 +279,28 @@ def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, tas
             if diff.numel():
                 max_abs = max(max_abs, float(diff.max()))
         if ok:
+            judgements.append(WITHIN_FP32)
             continue
-        within_fp32 = False
         if e is None:  # the contract is fp32: that was the declared bound
+            judgements.append(BEYOND)
             failure = (i, ratio, note)
             continue
         ok, dratio, note = judge_output(t, e, oracle)
         if dratio is not None and math.isfinite(dratio):
             worst_declared = max(worst_declared, dratio)
+        judgements.append(judge(False, ok))
         if not ok:
             failure = (i, dratio, note)
     fields: dict[str, Any] = {"rmse_ratio": worst_fp32, "declared_ratio": worst_declared if not declared.exact else None,
                               "max_abs_err": max_abs}
+    found = verdict.step(verdict.StepEvidence(tuple(judgements), kernel_beyond=failure is not None))
     if failure is None:
-        return {**fields, "outcome": "pass" if within_fp32 else "pass_declared"}
+        return {**fields, "outcome": found.outcome}
     i, ratio, note = failure
     inputs = [_describe(x) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
-    where = f"kernel {call.op} (inputs {', '.join(inputs[:4])}{' ...' if len(inputs) > 4 else ''})"
-    message = (f"{where} is beyond the declared {declared.name} precision on its own inputs (ratio {ratio:.3g})"
-               + (f"; {note}" if note else "") if ratio is not None else
-               f"{where}, result {i}: {note or 'not comparable to the CPU'}")
-    fields.update(outcome="drift", first_drift_op=call.op, first_drift_op_inputs=inputs,
+    message = verdict.kernel_message("kernel", call.op, inputs, declared.name, ratio, note,
+                                     output=f"result {i}")
+    fields.update(outcome=found.outcome, first_drift_op=call.op, first_drift_op_inputs=inputs,
                   first_drift_op_ratio=ratio if ratio is not None and ratio < 1e300 else None, error_message=message,
                   nonfinite=any(isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
                                 and bool(torch.isfinite(r).all())

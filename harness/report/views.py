@@ -16,11 +16,12 @@ import pandas as pd
 from harness.analysis.diff import DiffResult
 from harness.analysis.matrix import column_records, settings_label, with_config
 from harness.outcomes import JUDGEMENT_OUTCOME, OUTCOMES, output_judgement
+from harness.phases import PHASES
 from harness.report.decoding import decoding_view
 
 # as_number lives with the SVG code, which sits below this module (views embed charts, never the reverse).
 from harness.report.svg import as_number, svg_histogram
-from harness.results.rows import PHASES, compile_summary, round_floats
+from harness.results.rows import compile_summary, round_floats
 
 # ----------------------------------------------------------------------------------------------
 # Formatting helpers

@@ -21,39 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The pipeline's phases, in the order they run (a row's `phases` holds those it reached; with a reference
-# cache, ref_cache looks the reference side up, and ref_store stores what was computed; a phase taken from
-# the cache has {"s": 0, "cached": true}). `confirm`: a pass within the declared precision, run again at the
-# device's highest; `eager`: a compiled row that did not pass, run again eagerly; `recompile`: compiled again in a
-# fresh compile cache, where the run's own may have caused the failure; `harvest`: the reference step once more
-# on the CPU, its op calls recorded as variations (`run --harvest`, `ops harvest`);
-# `compile` is no timed phase but where a worker is while the compiler runs (its own deadline, --compile-timeout).
-PHASES = ("load", "ref_cache", "reference", "oracle", "expected", "ref_store", "harvest", "target", "compare", "localize",
-          "confirm", "eager", "recompile", "perf")
-COMPILE_PHASE = "compile"
-# The phases that run on the host before the target (the model loaded, the reference side computed, cached or
-# harvested): a worker that dies or runs out of time in one says nothing about the target.
-REFERENCE_PHASES = frozenset({"load", "ref_cache", "reference", "oracle", "expected", "ref_store", "harvest"})
-# What a phase is doing, as a notice says when it runs long (harness.fleet.notices)
-PHASE_DOING = {
-    "": "running",  # no phase heard yet (a Ray actor's is read from its node only near a deadline)
-    "load": "loading the model (a big checkpoint takes a while)",
-    "ref_cache": "looking the reference side up in the reference cache",
-    "reference": "running the fp32 CPU reference",
-    "oracle": "computing the fp64 oracle (a float64 copy of the model: the slowest reference phase)",
-    "expected": "running the declared-precision expected reference",
-    "ref_store": "storing the reference side in the reference cache",
-    "harvest": "recording the reference step's op calls as variations",
-    "target": "running on the target",
-    "compare": "comparing the outputs",
-    "localize": "localizing the drift module by module",
-    "confirm": "confirming a declared-precision pass at the device's highest precision",
-    "eager": "running the step eagerly to see whose failure it is",
-    "recompile": "compiling again in a fresh compile cache (the run's own may have caused the failure)",
-    "perf": "timing the step (--perf)",
-    COMPILE_PHASE: "compiling the target's step ({compile}; a cold Inductor cache takes minutes, later runs reuse it)",
-}
-
 
 @dataclass(kw_only=True)
 class Attempt:
@@ -120,6 +87,7 @@ class Measurement:
     # the confirmation of a pass within the declared precision at the device's highest (harness.run.variants):
     confirm: str = ""  # confirmed, unconfirmed (could not: confirm_note says why), hidden drift; "" not asked
     confirm_note: str = ""  # what the confirmation found, or why there was none
+    earlier_outcome: str = ""  # a worker that died or hung in a later phase: what the step was before (pass_declared)
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
     device_fault: bool = False  # the backend adapter blamed the device, not the model

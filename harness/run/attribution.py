@@ -28,6 +28,7 @@ from typing import Any
 from harness.backends import Adapter, owner
 from harness.backends.errors import chain
 from harness.run.memory import capped, import_failure
+from harness.verdict import FailureEvidence, failure
 
 _OOM = re.compile(r"can't allocate memory|out of memory|DefaultCPUAllocator|CUDA out of memory", re.IGNORECASE)
 TRACEBACK_LINES = 40
@@ -42,8 +43,11 @@ def _trim_traceback(exc: BaseException) -> str:
     return "\n".join(text)
 
 
-def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage: str = "target") -> dict[str, Any]:
-    """Measurement fields for an exception raised in `stage` (load, reference or target).
+def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage: str = "target",
+                       host_inputs: bool = False) -> dict[str, Any]:
+    """Measurement fields for an exception raised in `stage` (load, reference or target); the outcome is
+    `harness.verdict.failure`'s, from what this reads of the exception (`host_inputs`: an op variation's own
+    inputs and CPU run, where memory is the host side's).
 
     A device fault anywhere in the exception's chain wins over the stage (seeding every device is part
     of loading a model; loaders wrap the backend's error): the device is to blame, not the model. An
@@ -56,39 +60,41 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
         "traceback": _trim_traceback(exc),
     }
     fault = adapter.blames_device(exc, stage) if adapter is not None else None
-    if fault is not None:
+    links = chain(exc)
+    oom = any(isinstance(e, MemoryError) or _OOM.search(str(e)) for e in links)
+    missing = adapter.parse_missing_op(exc) if adapter is not None and fault is None else None
+    compiled = compile_failure(exc, adapter) if fault is None else None
+    outcome = failure(FailureEvidence(stage, device_fault=fault is not None, cap_too_small=capped() and import_failure(exc),
+                                      out_of_memory=oom, missing_op=missing is not None, compiling=compiled is not None,
+                                      host_inputs=host_inputs))
+    if outcome == "device_error":
+        assert adapter is not None and fault is not None
         if fault is not exc:
             base["error_type"] = type(fault).__name__
             base["error_message"] = (f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: "
                                      f"{str(exc)[:300]})")[:2000]
-        return {"outcome": "device_error", "device_fault": True, "device_unreachable": adapter.unreachable(exc, stage),
-                **base}
-    if capped() and import_failure(exc):
-        return {"outcome": "load_fail", **base, "error_type": CAP_TOO_SMALL}
-    links = chain(exc)
-    if any(isinstance(e, MemoryError) or _OOM.search(str(e)) for e in links):
-        return {"outcome": "oom", **base, "error_message": f"out of memory in the {stage} phase: {str(exc)[:2000]}"}
-    if stage == "load":
-        return {"outcome": "load_fail", **base}
-    if stage == "reference":
-        return {"outcome": "ref_fail", **base}
-    missing = adapter.parse_missing_op(exc) if adapter is not None else None
-    compiled = compile_failure(exc, adapter)
-    if missing is not None:  # the backend's gap, also where the compiler ran the op on it while compiling
-        fields = {"outcome": "unsupported_op", "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
+        return {"outcome": outcome, "device_fault": True, "device_unreachable": adapter.unreachable(exc, stage), **base}
+    if outcome == "load_fail" and capped() and import_failure(exc):
+        return {"outcome": outcome, **base, "error_type": CAP_TOO_SMALL}
+    if outcome == "oom":
+        return {"outcome": outcome, **base, "error_message": f"out of memory in the {stage} phase: {str(exc)[:2000]}"}
+    if outcome == "unsupported_op":  # the backend's gap, also where the compiler ran the op on it while compiling
+        assert missing is not None and adapter is not None
+        fields = {"outcome": outcome, "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
         if compiled is not None:
             compiled.pop("_backend_raised")
             fields.update(compiled, error_message=(f"the {adapter.kind} backend refused {missing.op} while the "
                                                    f"compiler ran it ({compiled['compile_stage']}): "
                                                    f"{base['error_message']}")[:2000])
         return fields
-    if compiled is not None:
+    if outcome == "compile_fail":
+        assert compiled is not None
         where = compiled["compile_stage"] + (f", at {compiled['compile_node']}" if compiled["compile_node"] else "")
         if compiled.pop("_backend_raised", False) and adapter is not None:
             where += f"; raised in the {adapter.kind} backend's own code, which the compiler ran on the device"
-        return {"outcome": "compile_fail", **base, **compiled,
+        return {"outcome": outcome, **base, **compiled,
                 "error_message": f"compile failed in {where}: {base['error_message']}"[:2000]}
-    return {"outcome": "crash", **base}
+    return {"outcome": outcome, **base}
 
 
 # Stages of torch.compile, told apart by the innermost frame of the backend's error that belongs to one

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.outcomes import BEYOND, judge, outcome_of
+from harness.outcomes import BEYOND, judge
 
 DEFAULT_TOL = 1e-3  # the dynamo runner's HF inference tolerance
 COSINE_FALLBACK = 0.99
@@ -202,19 +202,13 @@ def _check_fp32(name: str, ref: torch.Tensor, target: torch.Tensor, oracle: torc
 
 
 @dataclass
-class Verdict:
+class Comparison:
     ok: bool
     checks: list[TensorCheck]
 
     @property
     def ok_declared(self) -> bool:
         return all(c.ok_declared for c in self.checks)
-
-    @property
-    def outcome(self) -> str:
-        """pass (fp32 envelope), pass_declared (within the declared precision) or drift: from the same
-        per-output judgements every label shows (`harness.outcomes.outcome_of`)."""
-        return outcome_of(c.judgement for c in self.checks)
 
     @property
     def worst(self) -> TensorCheck | None:
@@ -249,7 +243,7 @@ def compare_outputs(
     oracle: dict[str, torch.Tensor] | None,
     tol: Tolerance | None = None,
     expected: dict[str, torch.Tensor] | None = None,
-) -> Verdict:
+) -> Comparison:
     """Compare flattened, named outputs (see `harness.inputs.output_tensors`)."""
     tol = tol or Tolerance()
     checks = []
@@ -264,7 +258,7 @@ def compare_outputs(
     for name in target.keys() - ref.keys():
         t = target[name]
         checks.append(TensorCheck(name=name, ok=False, shape=list(t.shape), dtype=str(t.dtype), note="extra output on target"))
-    return Verdict(ok=all(c.ok for c in checks), checks=checks)
+    return Comparison(ok=all(c.ok for c in checks), checks=checks)
 
 
 def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

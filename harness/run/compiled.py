@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from harness import phases
 from harness.backends.contracts import AMP_DTYPES
 from harness.outcomes import PASSING
 
@@ -305,7 +306,7 @@ class CompileWatch:
     def _start(self, _args: Any) -> None:
         self._t0 = time.perf_counter()
         if self.on_phase is not None:
-            self.on_phase("compile")
+            self.on_phase(phases.COMPILE.name)
 
     def _end(self, _args: Any) -> None:
         if self._t0 is not None:

@@ -8,6 +8,9 @@ import resource
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
+
+from harness.phases import Phase
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _capped = False  # whether this process capped its own address space
@@ -111,11 +114,12 @@ class PhaseClock:
     One sampler for the whole model; each phase reads the peak since it began, so a phase that holds a
     second copy of the weights shows it."""
 
-    def __init__(self, on_phase: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_phase: Callable[..., None] | None = None) -> None:
         self.rss = PeakRss()
         self.phases: dict[str, dict[str, float]] = {}
-        self._on_phase = on_phase
+        self._on_phase = on_phase  # on_phase(name), or on_phase(name, found) with what the job established
         self._stack: list[str] = []
+        self._found: dict[str, Any] | None = None  # not yet sent to the supervisor
 
     def __enter__(self) -> PhaseClock:
         self.rss.__enter__()
@@ -131,12 +135,25 @@ class PhaseClock:
 
     def announce(self, name: str) -> None:
         """Tell the supervisor the job is in `name` now, without timing it (the compiler running inside a
-        phase: its deadline is another)."""
-        if self._on_phase is not None:
+        phase: its deadline is another); with it, once, what the job has established (`establish`)."""
+        if self._on_phase is None:
+            return
+        if self._found is not None:
+            found, self._found = self._found, None
+            self._on_phase(name, found)
+        else:
             self._on_phase(name)
 
+    def establish(self, fields: dict[str, Any]) -> None:
+        """What the job has established so far (the first run's verdict, before a follow-up runs the target
+        again): the supervisor hears it with the next phase, and a worker that dies in a later phase keeps
+        it in its row (`harness.verdict.after_death`)."""
+        self._found = {**fields, "phases": dict(self.phases)}
+
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, phase: Phase) -> Iterator[None]:
+        """Time `phase` (one of `harness.phases`': a phase no table knows cannot be timed, nor told apart)."""
+        name = phase.name
         self.announce(name)
         self._stack.append(name)
         start, t0 = self.rss.peak_mb, time.perf_counter()

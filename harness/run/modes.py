@@ -33,7 +33,7 @@ from harness.backends.contracts import autocast_region
 from harness.models.labels import make_labels
 from harness.models.outputs import output_tensors
 from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS, generate
-from harness.run.compare import Tolerance, Verdict
+from harness.run.compare import Comparison, Tolerance
 from harness.run.train import (
     OPTIMIZERS,
     SKIPPED,
@@ -72,8 +72,7 @@ class Assessment:
     """What a mode adds to a verdict: row fields, a decided outcome, messages for a drift's explanation."""
 
     fields: dict[str, Any] = field(default_factory=dict)
-    outcome: str | None = None  # set when the mode decides the outcome itself (missing_grad)
-    message: str = ""
+    missing_grads: list[str] = field(default_factory=list)  # train: evidence for the verdict (harness.verdict)
 
 
 def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -109,14 +108,14 @@ class Mode:
         """(reference, oracle, expected, tolerance) as the comparison should see them."""
         return ref, oracle, expected, tol
 
-    def assess(self, ref: dict, target: dict, verdict: Verdict) -> Assessment:
+    def assess(self, ref: dict, target: dict, verdict: Comparison) -> Assessment:
         return Assessment()
 
-    def measure(self, side: Any, target: Any, verdict: Verdict, tol: Tolerance) -> dict[str, Any]:
+    def measure(self, side: Any, target: Any, verdict: Comparison, tol: Tolerance) -> dict[str, Any]:
         """Row fields measured beyond the verdict, from the reference side and the target side."""
         return {}
 
-    def explain(self, out: dict[str, Any], kernel: Any, verdict: Verdict, envelope: str) -> list[str]:
+    def explain(self, out: dict[str, Any], kernel: Any, verdict: Comparison, envelope: str) -> list[str]:
         """Extra sentences for a drift's message (and fields written into `out`)."""
         return []
 
@@ -187,12 +186,7 @@ class TrainMode(Mode):
             judged.fields["amp_step_skipped"] = "both" if bool(target[SKIPPED].item()) else "reference only"
         elif SKIPPED in target and bool(target[SKIPPED].item()):
             judged.fields["amp_step_skipped"] = "target only"
-        missing = missing_grads(ref, target)
-        if missing:
-            judged.fields["missing_grads"] = missing
-            judged.outcome = "missing_grad"
-            judged.message = (f"{len(missing)} parameter(s) got no gradient on the target: "
-                              + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+        judged.missing_grads = missing_grads(ref, target)
         return judged
 
     def explain(self, out, kernel, verdict, envelope):

@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 
+from harness import phases
 from harness.backends import adapter_for
 from harness.backends.contracts import Emulate, amp, autocast_region, contract, with_amp
 from harness.models.model_list import ModelEntry
+from harness.outcomes import BEYOND
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
@@ -46,6 +48,8 @@ from harness.run.refcache import RefCache
 from harness.run.reference import reference_side
 from harness.run.target import TargetSide, census_fields, target_side, to_device
 from harness.run.variants import FOLLOW_UPS, Variant, first_variant
+from harness.verdict import KEPT, StepEvidence, kernel_message
+from harness.verdict import step as decide
 
 OP_SAMPLE = 2  # calls judged per op signature when the op check samples
 
@@ -89,8 +93,10 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock,
         _phases(entry, task, tol, clock, out, after, recorder)
     except Stop as stop:
         return {**out, **stop.fields}
+    if after:  # the verdict is complete: a worker that dies timing the step keeps it
+        clock.establish(_established(out))
     for timing in after:  # speed, once the verdict is complete
-        with clock.phase("perf"):
+        with clock.phase(phases.PERF):
             out.update(timing())
     return out
 
@@ -101,7 +107,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     the verdict goes into `after`."""
     adapter = adapter_for(task.target)
     mode = mode_for(task.settings)
-    with clock.phase("load"):
+    with clock.phase(phases.LOAD):
         try:
             loaded, inputs = load(entry, task)
         except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
@@ -129,6 +135,8 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
 
     judged = first_variant(run)
     row, last = _attempt(run, judged, after)  # the verdict's fields; follow-ups may amend or replace them
+    # what a worker dying in a follow-up (or the timing) must not lose: the supervisor hears it now
+    run.clock.establish(_established(row))
 
     def rerun(variant: Variant) -> dict[str, Any]:
         return _own(_attempt(run, variant)[0])
@@ -143,6 +151,11 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     out.update(row)
 
 
+def _established(row: dict[str, Any]) -> dict[str, Any]:
+    """What of a verdict a later phase's death keeps (`harness.verdict.KEPT`), for the supervisor."""
+    return {k: row[k] for k in ("outcome", "error_message", *KEPT) if row.get(k) not in (None, "")}
+
+
 def _own(fields: dict[str, Any]) -> dict[str, Any]:
     """A follow-up run's row fields, without the first run's bookkeeping (its timings stay the row's)."""
     return {k: v for k, v in fields.items() if not k.startswith("_")}
@@ -152,7 +165,7 @@ def _harvest(run: ModelRun, out: dict[str, Any]) -> None:
     """The op calls the reference step made (recorded in its second run; with a cached reference side, in
     one more step now) into the row's `harvest`: diagnostics for the op worklist, never worth a verdict."""
     assert run.side is not None
-    with run.clock.phase("harvest"):
+    with run.clock.phase(phases.HARVEST):
         try:
             if not run.recorder.recorded:
                 with run.recorder:
@@ -193,7 +206,7 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
     side, mode, declared, clock = run.side, run.mode, variant.declared, run.clock
     check = target.op_check
     out["_target_s"] = target.seconds
-    with clock.phase("compare") if variant.first else contextlib.nullcontext():
+    with clock.phase(phases.COMPARE) if variant.first else contextlib.nullcontext():
         ref, oracle, expected, tol = mode.before_compare(run.cpu_model, side.ref, target.out, side.oracle,
                                                          side.expected if not declared.exact else None, run.tol)
         verdict = compare_outputs(ref, target.out, oracle, tol, expected)
@@ -202,48 +215,44 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
         metrics={c.name: c.to_dict() for c in verdict.checks},
         **verdict.summary(),
         contract=declared.name,
-        outcome=verdict.outcome,
         ops_checked=check.checked if check is not None else None,
         ops_sampled_out=check.sampled_out if check is not None and check.per_signature is not None else None,
     )
     assessed = mode.assess(ref, target.out, verdict)
     out.update(assessed.fields, **mode.measure(side, target, verdict, tol))
-    if assessed.outcome is not None:
-        out.update(outcome=assessed.outcome, error_message=assessed.message)
-        return
     kernel = check.failure if check is not None else None
-    if verdict.outcome != "drift" and kernel is None:
+    judgements = tuple(c.judgement for c in verdict.checks)
+    found = decide(StepEvidence(judgements, kernel is not None, tuple(assessed.missing_grads)))
+    out.update(found.fields, outcome=found.outcome)
+    if found.message:
+        out["error_message"] = found.message
+    if found.outcome != "drift":
         return
-    out["outcome"] = "drift"
     out["nonfinite"] = verdict.nonfinite
     worst = verdict.worst
     messages = []
     if kernel is not None:
         out.update(describe(kernel))
         what = "kernel" if kernel.func is not None else "compiled graph node"  # the graph check's: no ATen op
-        where = f"{what} {kernel.op} (in {kernel.module or 'the top module'}, inputs {', '.join(kernel.inputs[:4])})"
-        messages.append(
-            f"{where} is beyond the declared {declared.name} precision on its own inputs (ratio {kernel.ratio:.3g})"
-            + (f"; {kernel.note}" if kernel.note else "")
-            if kernel.ratio is not None else  # a wrong shape or dtype: nothing to measure, still the finding
-            f"{where} returns output {kernel.output} unlike the CPU's: {kernel.note or 'not comparable'}"
-        )
+        messages.append(kernel_message(what, kernel.op, kernel.inputs, declared.name, kernel.ratio, kernel.note,
+                                       where=kernel.module or "the top module", output=f"output {kernel.output}"))
         if run.task.repro_dir and variant.repro and kernel.func is not None:  # a graph's node has no single ATen op
             preamble = repro_preamble(run.task.backends, run.adapter.repro_setup(variant.settings))
             out["repro_path"] = str(write_repro(kernel, contract=declared, target=run.device, preamble=preamble,
                                                 model_id=run.entry.id, directory=Path(run.task.repro_dir)))
-    if verdict.outcome == "drift" and worst is not None:
+    beyond = BEYOND in judgements
+    if beyond and worst is not None:
         messages.append(
             f"output {worst.name!r} out of tolerance: rmse ratio {_g(worst.rmse_ratio)}, declared ratio "
             f"{_g(worst.declared_ratio)}, max abs {_g(worst.max_abs)}"
             + (" (non-finite values on target)" if verdict.nonfinite else "")
         )
-    elif verdict.outcome != "drift":
+    elif not beyond:
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     messages += mode.explain(out, kernel, verdict, "fp32" if declared.exact else "declared")
     out["error_message"] = "; ".join(messages)
     if run.localizes and variant.localize:
-        with clock.phase("localize") if variant.first else contextlib.nullcontext():
+        with clock.phase(phases.LOCALIZE) if variant.first else contextlib.nullcontext():
             _localized(run, variant, target, out)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from harness import phases, verdict
 from harness.backends.contracts import Emulate
 from harness.run.attribution import classify_exception
 from harness.run.compare import identical
@@ -30,7 +31,7 @@ from harness.run.refcache import Entry, RefCache
 from harness.run.refkey import NoKey, components, key_of
 
 GROUPS = ("ref", "oracle", "expected")  # the cached tensors' name prefixes
-CACHED_PHASES = ("reference", "oracle", "expected")
+CACHED_PHASES = (phases.REFERENCE.name, phases.ORACLE.name, phases.EXPECTED.name)
 STOPS_CACHED = ("ref_fail", "ref_nondeterministic")  # the reference's own answers (not oom, not a device's)
 
 
@@ -40,7 +41,7 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
     clock = run.clock
     if cache is None:
         return _computed(run)
-    with clock.phase("ref_cache"):
+    with clock.phase(phases.REF_CACHE):
         try:
             parts = components(run.entry, run.loaded.config, run.inputs, mode=run.mode.name,
                                contract=run.declared.name, settings=run.adapter.reference_settings(run.settings),
@@ -66,13 +67,13 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
         side = _computed(run, fields)
     except Stop as stop:
         if stop.fields.get("outcome") in STOPS_CACHED:
-            with clock.phase("ref_store"):
+            with clock.phase(phases.REF_STORE):
                 stored = cache.put(key, {}, {"stop": stop.fields, "phases": _phase_seconds(clock)}, parts)
         else:
             stored = f"computed (not stored: {stop.fields.get('outcome')} is this run's, not the reference's answer)"
         stop.fields["ref_cache"] = _joined(note, stored)
         raise
-    with clock.phase("ref_store"):
+    with clock.phase(phases.REF_STORE):
         tensors = {f"{group}/{name}": t for group, outs in zip(GROUPS, (side.ref, side.oracle, side.expected),
                                                                 strict=True) for name, t in (outs or {}).items()}
         meta = {"oracle_rule": side.oracle_rule, "fields": side.plan.fields, "ref_s": side.ref_s,
@@ -114,7 +115,7 @@ def _from_cache(hit: Entry, run: ModelRun) -> ReferenceSide | None:
 def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceSide:
     fields = dict(fields or {})
     model, mode, seed, clock = run.model, run.mode, run.task.seed, run.clock
-    with clock.phase("reference"):
+    with clock.phase(phases.REFERENCE):
         try:
             t0 = time.perf_counter()
             torch.manual_seed(seed)
@@ -130,16 +131,17 @@ def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceS
                 torch.manual_seed(seed)
                 ref = plan.step(model, plan.inputs)
         except Skip as e:
-            raise Stop({"outcome": "skipped", "error_message": str(e)}) from None
+            raise Stop({"outcome": verdict.reference(applies=False), "error_message": str(e)}) from None
         except Exception as e:
             raise Stop({**classify_exception(e, run.adapter, "reference"), **fields}) from None
-        if not identical(ref, ref2):
-            raise Stop({"outcome": "ref_nondeterministic", "error_message": "two fp32 reference runs on CPU differ "
+        stop = verdict.reference(deterministic=identical(ref, ref2))
+        if stop is not None:
+            raise Stop({"outcome": stop, "error_message": "two fp32 reference runs on CPU differ "
                         "(the second under another seed: the step draws random numbers, or is not deterministic)",
                         **fields})
         del ref2
 
-    with clock.phase("oracle"):
+    with clock.phase(phases.ORACLE):
         oracle, rule, oracle_model = fp64_outputs(
             model, plan.inputs, plan.step, max_params=int(run.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
             streamed=mode.streamed_oracle,
@@ -149,7 +151,7 @@ def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceS
 
     expected = None
     if not run.declared.exact:
-        with clock.phase("expected"):
+        with clock.phase(phases.EXPECTED):
             try:
                 with Emulate(run.declared):
                     expected = plan.step(model, plan.inputs)

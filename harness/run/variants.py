@@ -16,7 +16,8 @@ the target under other settings, and folds that run's verdict into the row:
   drift starts (a decoding step, an op near the envelope); the verdict stays the declared run's.
 
 Both are the same mechanism: a variant, run through the pipeline's one path, and a merge rule. The
-merge rules are plain functions of the row's fields (tested without a device).
+merge rules are `harness.verdict`'s (`confirmed`, `located`, `rechecked`): plain functions of the row's
+fields, tested without a device.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
+from harness import phases, verdict
 from harness.backends.contracts import Contract, contract
 from harness.outcomes import PASSING
+from harness.phases import Phase
 from harness.run.compiled import Configuration, retry_in_fresh_cache
 from harness.run.context import ModelRun
 
@@ -38,7 +41,7 @@ class Variant:
     """One way of running the target's step."""
 
     name: str  # in messages: "eager", "compiled (inductor)", "eager re-check", "confirmation at highest"
-    phase: str  # the phase the clock and the supervisor see: target, eager, confirm
+    phase: Phase  # the phase the clock and the supervisor see (harness.phases: each runs on the device)
     settings: dict[str, Any]  # the backend's settings around the step
     cfg: Configuration  # compiled or eager, autocast
     declared: Contract  # what its outputs are judged by
@@ -62,7 +65,7 @@ def first_variant(run: ModelRun) -> Variant:
     module hooks, which would change what is compiled)."""
     cfg = Configuration.of(run.settings)
     name = f"compiled ({cfg.label()})" if cfg.compiled else "eager"
-    return Variant(name, "target", run.settings, cfg, run.declared, localize=not cfg.compiled, timed=run.task.perf)
+    return Variant(name, phases.TARGET, run.settings, cfg, run.declared, localize=not cfg.compiled, timed=run.task.perf)
 
 
 Rerun = Callable[[Variant], dict[str, Any]]  # the pipeline's one path: a variant run and judged, its row fields
@@ -79,17 +82,6 @@ class FollowUp(Protocol):
         the row's verdict is now the variant's."""
 
 
-def eager_message(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
-    """The compiled row's `eager_outcome` and its message saying whose failure it is."""
-    outcome = eager.get("outcome", "")
-    if outcome in PASSING:
-        head = f"compiled only; eager on {device} passes ({outcome})"
-    else:
-        why = eager.get("first_drift_op") or eager.get("unsupported_op") or eager.get("error_type") or ""
-        head = f"eager on {device} fails too ({outcome}{': ' + why if why else ''})"
-    return {"eager_outcome": outcome, "error_message": f"{head}; {compiled.get('error_message', '')}"[:2000]}
-
-
 class EagerRecheck:
     """A compiled row that does not pass: the same step eagerly, on a fresh model (the compiled one may be
     half-way through a failure, and a backend whose parameters move by swap_tensors refuses to move a
@@ -99,7 +91,7 @@ class EagerRecheck:
     def after(self, run: ModelRun, judged: Variant, row: dict[str, Any]) -> Variant | None:
         if not judged.cfg.compiled or row.get("outcome") in PASSING or row.get("device_fault"):
             return None
-        return replace(judged, name="eager re-check", phase="eager", cfg=judged.cfg.eager(), source="fresh",
+        return replace(judged, name="eager re-check", phase=phases.EAGER, cfg=judged.cfg.eager(), source="fresh",
                        extra=False, repro=False, localize=False, timed=False, of=judged)
 
     def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
@@ -109,17 +101,14 @@ class EagerRecheck:
             return True
         assert variant.of is not None
         again = retry_in_fresh_cache(run.task.compile_cache, row, fields.get("outcome", ""), lambda fresh: rerun(
-            replace(variant.of, name="compiled in a fresh cache", phase="recompile", source="fresh", timed=False,
+            replace(variant.of, name="compiled in a fresh cache", phase=phases.RECOMPILE, source="fresh", timed=False,
                     cache=fresh)))
         if again is not None:
             row.clear()
             row.update(again)
         if row.get("outcome") not in PASSING and not row.get("device_fault"):
-            row.update(eager_message(row, fields, run.device))
+            row.update(verdict.rechecked(row, fields, run.device))
         return False
-
-
-CONFIRMED, UNCONFIRMED, HIDDEN = "confirmed", "unconfirmed", "hidden drift"
 
 
 class Confirmation:
@@ -137,7 +126,7 @@ class Confirmation:
         at = _highest(run, judged)
         if isinstance(at, str):
             if not locating:
-                out.update(confirm=UNCONFIRMED, confirm_note=at)
+                out.update(confirm=verdict.UNCONFIRMED, confirm_note=at)
             return None
         highest, declared = at
         # An eager run's device model is left as it was (the step never changes it): run it again there.
@@ -145,19 +134,19 @@ class Confirmation:
         # location needs it at once.
         name = "location at full precision" if locating else \
             f"confirmation at {highest.get('precision', 'highest')} precision"
-        return replace(judged, name=name, phase="confirm", settings=highest, declared=declared,
+        return replace(judged, name=name, phase=phases.CONFIRM, settings=highest, declared=declared,
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
                        extra=False, timed=False, op_check=locating and judged.op_check, of=judged)
 
     def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
               rerun: Rerun) -> bool:
         if row.get("outcome") == "drift":  # located (a confirmed row is pass_declared until merged)
-            locate_fields(row, fields, run.declared.name)
+            verdict.located(row, fields, run.declared.name)
             return False
         if (not variant.op_check and fields.get("outcome") not in PASSING and not fields.get("device_fault")
                 and variant.of is not None and variant.of.op_check):
             fields = rerun(replace(variant, op_check=True))  # the op and module that drift, from that run
-        return confirm_fields(row, fields, run.declared.name)
+        return verdict.confirmed(row, fields, run.declared.name)
 
 
 def _highest(run: ModelRun, judged: Variant) -> tuple[dict[str, Any], Contract] | str:
@@ -172,62 +161,6 @@ def _highest(run: ModelRun, judged: Variant) -> tuple[dict[str, Any], Contract] 
     if not declared.exact:
         return f"{run.adapter.kind} declares {declared.name} even at its highest precision: nothing to confirm it at"
     return highest, declared
-
-
-def confirm_fields(out: dict[str, Any], confirm: dict[str, Any], declared: str) -> bool:
-    """The row after its confirmation run's fields (`confirm`) came in; True when the row's verdict is now
-    the confirmation's (a hidden drift, or the device failing under it)."""
-    outcome = confirm.get("outcome", "")
-    if confirm.get("device_fault"):  # the device failed: that is the row's news, whatever it passed before
-        out.update(confirm)
-        return True
-    if outcome in PASSING:
-        ratio = confirm.get("rmse_ratio")
-        out.update(confirm=CONFIRMED, confirm_note="within the fp32 envelope at the device's highest precision"
-                   + (f" (rmse ratio {ratio:.3g})" if isinstance(ratio, int | float) else ""))
-        return False
-    if outcome == "drift":
-        before = f"pass_declared at the declared {declared} precision" + "".join(
-            f", {label} {out[key]:.3g}" for key, label in (("rmse_ratio", "rmse ratio"), ("declared_ratio", "declared ratio"))
-            if isinstance(out.get(key), int | float))
-        kept = {k: v for k, v in out.items() if k not in confirm}  # what only the first run measured
-        out.clear()
-        out.update(kept, **confirm)
-        out.update(confirm=HIDDEN, confirm_note=before)
-        out["error_message"] = (f"the declared {declared} precision hid a drift: at the device's highest precision "
-                                f"the outputs are beyond the fp32 envelope; {confirm.get('error_message', '')}"
-                                )[:2000]
-        return True
-    why = confirm.get("unsupported_op") or confirm.get("error_type") or outcome
-    out.update(confirm=UNCONFIRMED, confirm_note=f"the run at the device's highest precision did not finish "
-               f"({outcome}: {why}): {str(confirm.get('error_message', ''))[:300]}")
-    return False
-
-
-# Where a drift starts, as its run at the device's highest precision names it (not train's first drifting
-# parameter: that is the first in the model's order whose gradient drifts, and rounding gone, more do)
-LOCATION = ("first_drift_step", "first_drift_op", "first_drift_op_module", "first_drift_op_inputs",
-            "first_drift_op_ratio", "first_drift_module", "first_drift_module_type", "repro_path")
-
-
-def locate_fields(out: dict[str, Any], located: dict[str, Any], declared: str) -> None:
-    """A row that drifts at the declared precision, after its run at the highest (`located`): where that run
-    drifts too, the first drifting step, op and module are its (rounding no longer masks them),
-    the verdict and its measures stay the declared run's, and the note says what moved."""
-    if located.get("outcome") != "drift":
-        what = located.get("outcome") or "did not finish"
-        out["confirm_note"] = (f"at the device's highest precision the step {'passes' if what in PASSING else what}"
-                               f": the drift is in the declared {declared} path")
-        return
-    found = {k: located[k] for k in LOCATION if located.get(k) not in (None, "")}
-    moved = [f"{k.removeprefix('first_drift_').replace('_', ' ')} {found[k]} (at {declared}: {out.get(k, '-')})"
-             for k in ("first_drift_step", "first_drift_op", "first_drift_module")
-             if k in found and found[k] != out.get(k)]
-    out.update(found)
-    out["confirm_note"] = "located at the device's highest precision" + (": " + "; ".join(moved) if moved else
-                                                                          ", where it starts at the same place")
-    if moved:
-        out["error_message"] = f"{out.get('error_message', '')}; at full precision it is first seen at: {'; '.join(moved)}"[:2000]
 
 
 FOLLOW_UPS: tuple[FollowUp, ...] = (Confirmation(), EagerRecheck())

@@ -36,14 +36,14 @@ from .differential import (  # noqa: F401  (re-exported: the comparison is part 
     CLASSES,
     FP32_ATOL,
     FP32_RTOL,
-    Outcome,
+    Observed,
     SampleResult,
     attempt,
     bits_differ,
     compare,
+    compare_sides,
     cpu_deterministic,
     is_standard_missing,
-    judge,
     normalize_error,
     traced,
 )
@@ -132,13 +132,13 @@ def _skip_for_profile(ops: set[str], profile: str) -> str:
 
 
 def _pair(op, sample, *, mode: str, exact: bool, profile: str, seed: int, kind: str = "sample",
-          call: Callable | None = None, keep_grad: bool = False) -> tuple[SampleResult, Outcome, Outcome]:
+          call: Callable | None = None, keep_grad: bool = False) -> tuple[SampleResult, Observed, Observed]:
     call = call or (lambda s: op(s.input, *s.args, **s.kwargs))
     try:
         cpu = _to_cpu(sample, keep_grad)
         dev = _fresh(sample, keep_grad)
     except RuntimeError as e:  # sparse samples: sim simulates strided tensors only
-        return SampleResult("skipped", f"sample cannot be copied: {str(e)[:100]}", kind=kind), Outcome(), Outcome()
+        return SampleResult("skipped", f"sample cannot be copied: {str(e)[:100]}", kind=kind), Observed(), Observed()
     want = attempt(lambda: call(cpu), seed=seed)
     got = traced(lambda: call(dev), seed=seed, mode=mode)
     leaves = pytree.tree_leaves(want.value)
@@ -157,7 +157,7 @@ def _pair(op, sample, *, mode: str, exact: bool, profile: str, seed: int, kind: 
         return SampleResult("skipped", "sample creates its tensors on another device", kind=kind), want, got
     asked = sample.kwargs.get("device")  # factories: an explicit device other than sim keeps its outputs there
     device = "sim" if asked is None or str(asked).startswith("sim") else torch.device(asked).type
-    result = judge(want, got, exact=exact, kind=kind, device=device)
+    result = compare_sides(want, got, exact=exact, kind=kind, device=device)
     same_type = want.error is not None and type(want.error) is type(got.error)
     if (result.klass == "numerics" or (result.status == "failed" and same_type)) and not cpu_deterministic(
             lambda: call(_to_cpu(sample, keep_grad)), want, seed, runs=4, sim=got):
@@ -215,7 +215,7 @@ def run_errors(op, *, mode: str, profile: str, seed: int = 0) -> list[SampleResu
         if why:
             out.append(SampleResult("skipped", why, kind="error"))
             continue
-        r = judge(want, got, exact=True, kind="error")
+        r = compare_sides(want, got, exact=True, kind="error")
         r.aten_ops = got.ops
         out.append(r)
     return out
@@ -300,7 +300,7 @@ def run_op(op, *, limit: int | None, mode: str, exact: bool, profile: str = "you
         try:
             batch = samples(op, limit, dtype=dtype, reference=reference and op.reference_inputs_func is not None)
         except Exception as e:  # sample generation on sim failed where the CPU's would not
-            r = judge(Outcome(), Outcome(error=e), exact=exact, kind="sample")
+            r = compare_sides(Observed(), Observed(error=e), exact=exact, kind="sample")
             if r.status == "failed" and r.klass == "errors":
                 r = SampleResult("skipped", f"sample_inputs on sim raised {type(e).__name__}: {str(e)[:100]}")
             results.append(r)

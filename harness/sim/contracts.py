@@ -1,7 +1,7 @@
 """Hand-written sim-vs-CPU cases for what OpInfo samples do not reach (issue 39's classes).
 
-Each `Contract` builds its inputs for one device and runs a call: with ``cpu`` for the control and
-with ``sim`` for the device under test, compared as `differential.judge` compares OpInfo samples
+Each `EdgeContract` builds its inputs for one device and runs a call: with ``cpu`` for the control and
+with ``sim`` for the device under test, compared as `differential.compare_sides` compares OpInfo samples
 (values bit for bit at ``highest``, or the same error type and message). Host-side arguments stay
 on the CPU on both sides, as a CUDA user passes them. A contract without a CPU control (a device API,
 an accelerator-only kernel) states its own expectation: `expect_missing` names the op whose standard
@@ -23,7 +23,7 @@ Fn = Callable[[str], object]
 
 
 @dataclass(frozen=True)
-class Contract:
+class EdgeContract:
     name: str
     klass: str  # one of differential.CLASSES
     fn: Fn
@@ -42,12 +42,12 @@ def _idx(device: str, *values: int) -> torch.Tensor:
 
 # ---- 1. ops whose kernel goes through a DispatchStub outside sim's kernel ------------------------------
 
-def _stub_cases() -> list[Contract]:
+def _stub_cases() -> list[EdgeContract]:
     return [
-        Contract("kaiser_window", "dispatch_stub", lambda d: torch.kaiser_window(8, device=d)),
-        Contract("kaiser_window.beta", "dispatch_stub",
+        EdgeContract("kaiser_window", "dispatch_stub", lambda d: torch.kaiser_window(8, device=d)),
+        EdgeContract("kaiser_window.beta", "dispatch_stub",
                  lambda d: torch.kaiser_window(9, periodic=False, beta=5.0, device=d)),
-        Contract("signal.windows.kaiser", "dispatch_stub", lambda d: torch.signal.windows.kaiser(7, device=d)),
+        EdgeContract("signal.windows.kaiser", "dispatch_stub", lambda d: torch.signal.windows.kaiser(7, device=d)),
     ]
 
 
@@ -62,27 +62,27 @@ def _alias(fn: Callable[[torch.Tensor], object]) -> Fn:
     return run
 
 
-def _alias_cases() -> list[Contract]:
+def _alias_cases() -> list[EdgeContract]:
     def kth(x):
         return torch.kthvalue(x, 2, out=(x[:1], torch.empty(1, dtype=torch.long, device=x.device)))
 
     return [
-        Contract("gather out=input", "aliasing", _alias(lambda x: torch.gather(x, 0, _idx(x.device, 2, 0, 1), out=x))),
-        Contract("take out=input", "aliasing", _alias(lambda x: torch.take(x, _idx(x.device, 5, 4, 3), out=x[:3]))),
-        Contract("kthvalue values=input", "aliasing", _alias(kth)),
-        Contract("masked_select out=input", "aliasing", _alias(lambda x: torch.masked_select(x, x > 2, out=x))),
-        Contract("cat overlapping out", "aliasing", _alias(lambda x: torch.cat([x[:2], x[2:4]], out=x[1:5]))),
-        Contract("index_select out=input", "aliasing",
+        EdgeContract("gather out=input", "aliasing", _alias(lambda x: torch.gather(x, 0, _idx(x.device, 2, 0, 1), out=x))),
+        EdgeContract("take out=input", "aliasing", _alias(lambda x: torch.take(x, _idx(x.device, 5, 4, 3), out=x[:3]))),
+        EdgeContract("kthvalue values=input", "aliasing", _alias(kth)),
+        EdgeContract("masked_select out=input", "aliasing", _alias(lambda x: torch.masked_select(x, x > 2, out=x))),
+        EdgeContract("cat overlapping out", "aliasing", _alias(lambda x: torch.cat([x[:2], x[2:4]], out=x[1:5]))),
+        EdgeContract("index_select out=input", "aliasing",
                  _alias(lambda x: torch.index_select(x, 0, _idx(x.device, 1, 0), out=x[:2]))),
-        Contract("add out=partial overlap", "aliasing", _alias(lambda x: torch.add(x[:-1], 1, out=x[1:]))),
-        Contract("add_ partial overlap", "aliasing", _alias(lambda x: x[1:].add_(x[:-1]))),
-        Contract("mul_ self overlap (expand)", "aliasing",
+        EdgeContract("add out=partial overlap", "aliasing", _alias(lambda x: torch.add(x[:-1], 1, out=x[1:]))),
+        EdgeContract("add_ partial overlap", "aliasing", _alias(lambda x: x[1:].add_(x[:-1]))),
+        EdgeContract("mul_ self overlap (expand)", "aliasing",
                  _alias(lambda x: x[:1].expand(4).mul_(2))),
-        Contract("sort values=input", "aliasing",
+        EdgeContract("sort values=input", "aliasing",
                  _alias(lambda x: torch.sort(x, out=(x, torch.empty(6, dtype=torch.long, device=x.device))))),
-        Contract("index_put_ values=self", "aliasing",
+        EdgeContract("index_put_ values=self", "aliasing",
                  _alias(lambda x: x.index_put_((_idx(x.device, 0, 1),), x[1:3]))),
-        Contract("im2col out=input", "aliasing", lambda d: _im2col_alias(d)),
+        EdgeContract("im2col out=input", "aliasing", lambda d: _im2col_alias(d)),
     ]
 
 
@@ -110,24 +110,24 @@ def _pack(d: str, lengths: object) -> object:
     return packed.data, packed.batch_sizes.device.type, packed.batch_sizes.tolist(), padded, lens.tolist()
 
 
-def _host_cases() -> list[Contract]:
+def _host_cases() -> list[EdgeContract]:
     return [
-        Contract("tensor_split cpu indices", "host_args",
+        EdgeContract("tensor_split cpu indices", "host_args",
                  lambda d: torch.tensor_split(_arange(d, 10), torch.tensor([2, 5]))),
-        Contract("tensor_split cpu sections", "host_args",
+        EdgeContract("tensor_split cpu sections", "host_args",
                  lambda d: torch.tensor_split(_arange(d, 10), torch.tensor(3))),
-        Contract("tensor_split device indices", "host_args",
+        EdgeContract("tensor_split device indices", "host_args",
                  lambda d: torch.tensor_split(_arange(d, 10), _idx(d, 2, 5)), cpu_control=False,
                  expect_error="tensor_split expected tensor_indices_or_sections to be on cpu, but it's on sim:0"),
-        Contract("pack_padded_sequence cpu lengths", "host_args", lambda d: _pack(d, torch.tensor([3, 2]))),
-        Contract("pack_padded_sequence list lengths", "host_args", lambda d: _pack(d, [3, 1])),
-        Contract("pack_padded_sequence device lengths", "host_args", lambda d: _pack(d, _idx(d, 3, 2)),
+        EdgeContract("pack_padded_sequence cpu lengths", "host_args", lambda d: _pack(d, torch.tensor([3, 2]))),
+        EdgeContract("pack_padded_sequence list lengths", "host_args", lambda d: _pack(d, [3, 1])),
+        EdgeContract("pack_padded_sequence device lengths", "host_args", lambda d: _pack(d, _idx(d, 3, 2)),
                  cpu_control=False,
                  expect_error="'lengths' argument should be a 1D CPU int64 tensor, but got 1D sim:0 Long tensor"),
-        Contract("pack_sequence", "host_args", lambda d: _pack_sequence(d)),
-        Contract("index cpu indices", "host_args", lambda d: _arange(d)[torch.tensor([4, 0, 2])]),
-        Contract("index cpu mask", "host_args", lambda d: _arange(d)[torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.bool)]),
-        Contract("index_put_ cpu indices", "host_args",
+        EdgeContract("pack_sequence", "host_args", lambda d: _pack_sequence(d)),
+        EdgeContract("index cpu indices", "host_args", lambda d: _arange(d)[torch.tensor([4, 0, 2])]),
+        EdgeContract("index cpu mask", "host_args", lambda d: _arange(d)[torch.tensor([1, 0, 1, 0, 1, 1], dtype=torch.bool)]),
+        EdgeContract("index_put_ cpu indices", "host_args",
                  lambda d: _arange(d).index_put_((torch.tensor([1, 3]),), torch.tensor(9.0, device=d))),
     ]
 
@@ -161,17 +161,17 @@ def _grid_nonfinite(mode: str) -> Fn:
     return run
 
 
-def _numerics_cases() -> list[Contract]:
-    cases = [Contract(f"logit backward n={n} eps={eps}", "numerics", _logit_backward(n, eps))
+def _numerics_cases() -> list[EdgeContract]:
+    cases = [EdgeContract(f"logit backward n={n} eps={eps}", "numerics", _logit_backward(n, eps))
              for n in (7, 8, 9, 16, 17, 33) for eps in (None, 0.25)]
-    cases += [Contract(f"grid_sample non-finite {m}", "numerics", _grid_nonfinite(m)) for m in ("bilinear", "nearest")]
+    cases += [EdgeContract(f"grid_sample non-finite {m}", "numerics", _grid_nonfinite(m)) for m in ("bilinear", "nearest")]
     big = [1e5, -1e5, 65519.0, 65520.0, 3e38, float("inf")]
     cases += [
-        Contract("fp16 saturation .half()", "numerics", lambda d: torch.tensor(big, device=d).half()),
-        Contract("fp16 saturation Linear.half()", "numerics", lambda d: _half_linear(d, big)),
-        Contract("ldexp wide int64 exponents", "numerics",
+        EdgeContract("fp16 saturation .half()", "numerics", lambda d: torch.tensor(big, device=d).half()),
+        EdgeContract("fp16 saturation Linear.half()", "numerics", lambda d: _half_linear(d, big)),
+        EdgeContract("ldexp wide int64 exponents", "numerics",
                  lambda d: torch.ldexp(torch.ones(4, device=d), torch.tensor([1, 2**31 + 5, -(2**40), 200], device=d))),
-        Contract("col2im", "numerics",
+        EdgeContract("col2im", "numerics",
                  lambda d: F.fold(torch.arange(16.0, device=d).reshape(1, 4, 4), (3, 3), (2, 2))),
     ]
     return cases
@@ -214,13 +214,13 @@ def _qkv(d: str) -> torch.Tensor:
     return torch.randn(1, 2, 8, 16, device=d)
 
 
-def _device_cases() -> list[Contract]:
+def _device_cases() -> list[EdgeContract]:
     q = _qkv
     cases = [
-        Contract("pin_memory", "device_api", _pin, cpu_control=False),
-        Contract("DataLoader pin_memory=True", "device_api", _loader, cpu_control=False),
-        Contract("_resize_output_", "device_api", _resize_output, cpu_control=False),
-        Contract("torch.Generator(device)", "device_api",
+        EdgeContract("pin_memory", "device_api", _pin, cpu_control=False),
+        EdgeContract("DataLoader pin_memory=True", "device_api", _loader, cpu_control=False),
+        EdgeContract("_resize_output_", "device_api", _resize_output, cpu_control=False),
+        EdgeContract("torch.Generator(device)", "device_api",
                  lambda d: torch.randn(3, device=d, generator=torch.Generator(d).manual_seed(1)).sum().item()),
     ]
     missing = {
@@ -236,21 +236,21 @@ def _device_cases() -> list[Contract]:
             torch.randn(2, 12, device=d), torch.randn(2, 12, device=d), torch.randn(2, 4, device=d)),
         "aten::batch_norm_stats": lambda d: torch.batch_norm_stats(torch.randn(4, 3, device=d), 1e-5),
     }
-    cases += [Contract(f"{name} is not implemented", "device_api", fn, cpu_control=False, expect_missing=name)
+    cases += [EdgeContract(f"{name} is not implemented", "device_api", fn, cpu_control=False, expect_missing=name)
               for name, fn in missing.items()]
     return cases
 
 
-def all_contracts() -> list[Contract]:
+def all_contracts() -> list[EdgeContract]:
     return _stub_cases() + _alias_cases() + _host_cases() + _numerics_cases() + _device_cases()
 
 
-def run_contract(c: Contract, *, mode: str = "highest") -> differential.SampleResult:
+def run_contract(c: EdgeContract, *, mode: str = "highest") -> differential.SampleResult:
     """One contract: sim against its CPU control, or against its own expectation."""
     got = differential.traced(lambda: c.fn("sim"), seed=0, mode=mode)
     if c.cpu_control:
         want = differential.attempt(lambda: c.fn("cpu"), seed=0)
-        r = differential.judge(want, got, exact=mode == "highest", kind="contract")
+        r = differential.compare_sides(want, got, exact=mode == "highest", kind="contract")
         if r.klass == "numerics" and not differential.cpu_deterministic(lambda: c.fn("cpu"), want, 0):
             r = differential.SampleResult("skipped", "the CPU reference is nondeterministic here", kind="contract")
         if r.status == "unsupported" and want.error is None:

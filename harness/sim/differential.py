@@ -116,37 +116,37 @@ def compare(got, want, *, rtol: float, atol: float, device: str = "sim") -> tupl
 
 
 @dataclass
-class Outcome:
+class Observed:
     value: object = None
     error: BaseException | None = None
     ops: set[str] = field(default_factory=set)
 
 
-def attempt(fn: Callable[[], object], *, seed: int) -> Outcome:
+def attempt(fn: Callable[[], object], *, seed: int) -> Observed:
     """Run `fn` (the CPU side) seeded."""
     torch.manual_seed(seed)
     try:
-        return Outcome(fn())
+        return Observed(fn())
     except Exception as e:
-        return Outcome(error=e)
+        return Observed(error=e)
 
 
-def traced(fn: Callable[[], object], *, seed: int, mode: str) -> Outcome:
+def traced(fn: Callable[[], object], *, seed: int, mode: str) -> Observed:
     """Run `fn` (the sim side) seeded, under the full profile and precision `mode`, tracing sim's ops."""
     torch.manual_seed(seed)
     with _opset.op_profile("full"), _precision.precision(mode):
         _opset.start_trace()
         try:
-            out = Outcome(fn())
+            out = Observed(fn())
         except Exception as e:
-            out = Outcome(error=e)
+            out = Observed(error=e)
         finally:
             ops = _opset.stop_trace()
     out.ops = {n if "." in n.split("::", 1)[1] else f"{n}.default" for n in ops}
     return out
 
 
-def judge(want: Outcome, got: Outcome, *, exact: bool, kind: str, device: str = "sim") -> SampleResult:
+def compare_sides(want: Observed, got: Observed, *, exact: bool, kind: str, device: str = "sim") -> SampleResult:
     """Compare a CPU outcome with a sim one: same values, or the same error (type and message)."""
     ge, we = got.error, want.error
     if ge is not None and "DispatchStub: missing kernel" in str(ge):
@@ -174,7 +174,7 @@ _MEMORY_OVERLAP = "refer to a single memory location"
 _DEVICE_WORDS = ("same device", "to be on cpu", "on CPU", "should be a 1D CPU", "found at least two devices")
 
 
-def _error_class(want: Outcome, got: Outcome, kind: str) -> str:
+def _error_class(want: Observed, got: Observed, kind: str) -> str:
     texts = " ".join(str(e) for e in (want.error, got.error) if e is not None)
     if kind == "alias" or _MEMORY_OVERLAP in texts:
         return "aliasing"
@@ -183,8 +183,8 @@ def _error_class(want: Outcome, got: Outcome, kind: str) -> str:
     return "errors"
 
 
-def cpu_deterministic(fn: Callable[[], object], want: Outcome, seed: int, runs: int = 3,
-                      sim: Outcome | None = None) -> bool:
+def cpu_deterministic(fn: Callable[[], object], want: Observed, seed: int, runs: int = 3,
+                      sim: Observed | None = None) -> bool:
     """Whether `runs` more CPU runs all give `want` again, and none gives `sim`'s result. Some CPU
     kernels are not deterministic: fp16 grid_sample reads memory it never wrote, LAPACK's gelsy on a
     rank-deficient matrix alternates between two answers, svdvals with out= its own input reports a
@@ -197,7 +197,7 @@ def cpu_deterministic(fn: Callable[[], object], want: Outcome, seed: int, runs: 
     return True
 
 
-def _same(again: Outcome, want: Outcome) -> bool:
+def _same(again: Observed, want: Observed) -> bool:
     if again.error is not None or want.error is not None:  # the same error, word for word
         return (again.error is None) == (want.error is None) and type(again.error) is type(want.error) and (
             again.error is None or normalize_error(again.error) == normalize_error(want.error))
