@@ -248,3 +248,76 @@ def top_ops(self_us: Mapping[str, float], *, min_share: float = KEEP_SHARE, limi
         return []
     kept = sorted(((k, v) for k, v in self_us.items() if v >= min_share * total), key=lambda kv: (-kv[1], kv[0]))
     return [[k, round(v, 1)] for k, v in kept[:limit]]
+
+
+# ----------------------------------------------------------------------------------------------
+# A kernel's own time: its per-step self time compared like a step (the kernel gate)
+# ----------------------------------------------------------------------------------------------
+# A step that is mostly other ops hides one kernel's slowdown in its own noise on a busy host (a layer norm 5x
+# slower may add 20% to a step whose rounds spread 30%); the op's own time, profiled round by round on the
+# step's clock, shows it. The profile keeps each kept op's interval of its per-round median (`op_intervals`),
+# and two profiles' ops are compared like two steps (`compare`): only an op that holds at least
+# KERNEL_MIN_SHARE of the head step's op time (tiny ops are noise), whose rounds agree (their
+# interval within KERNEL_MAX_SPREAD of its median each way) and that both sides kept (an op appearing or
+# vanishing, a warm-up's doing, is never a kernel change) is judged.
+KERNEL_MIN_SHARE = 0.05
+KERNEL_MAX_SPREAD = 2.0
+KERNEL_THRESHOLD = 1.5  # a kernel regression: at least this much slower (and beyond both runs' noise)
+
+
+def op_intervals(per_round: Mapping[str, Sequence[float]], ops: Iterable[str]) -> dict[str, list[float]]:
+    """``{op: [lo, hi]}``: the interval of each op's median self time per step (µs) over the profiled rounds,
+    for `ops` (a profile's kept ones), as `summarize` bounds a step's median."""
+    out = {}
+    for op in ops:
+        samples = [v for v in per_round.get(op, ()) if v > 0]
+        if len(samples) >= 2:
+            s = summarize(samples)
+            out[op] = [round(float(s["lo"]), 1), round(float(s["hi"]), 1)]
+    return out
+
+
+@dataclass(frozen=True)
+class KernelShift:
+    op: str
+    base_us: float  # self time per step, the base's scaled by the host's part
+    head_us: float
+    slowdown: float
+    lo: float
+    hi: float
+    share: float  # of the head step's op time
+
+    def describe(self) -> str:
+        return (f"{self.op} self time {self.slowdown:.1f}x [{self.lo:.2f}-{self.hi:.2f}] "
+                f"({self.share:.0%} of the step's op time)")
+
+
+def kernel_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, scale: float = 1.0,
+                  confidence: float = CONFIDENCE) -> list[KernelShift]:
+    """Each op both profiles kept with an interval, large enough and steady enough to judge (see above),
+    compared head against base (the base's times scaled by the host's part of the step's change); slowest
+    first."""
+    if not base or not head or (base.get("clock") and head.get("clock") and base["clock"] != head["clock"]):
+        return []  # (a committed baseline does not say its clock: the configuration's is the same)
+    b_ci, h_ci = base.get("ci") or {}, head.get("ci") or {}
+    b_ops, h_ops = dict(_pairs(base.get("ops") or [])), dict(_pairs(head.get("ops") or []))
+    b_total, h_total = _total(base, b_ops), _total(head, h_ops)
+    out = []
+    for op, h in h_ops.items():
+        b = b_ops.get(op)
+        if b is None or op not in b_ci or op not in h_ci or b <= 0 or h <= 0 or b_total <= 0 or h_total <= 0:
+            continue
+        if h < KERNEL_MIN_SHARE * h_total:
+            continue
+        (blo, bhi), (hlo, hhi) = b_ci[op], h_ci[op]
+        if not _steady(b, blo, bhi) or not _steady(h, hlo, hhi):
+            continue
+        shift = compare({"median": b * scale, "lo": blo * scale, "hi": bhi * scale}, {"median": h, "lo": hlo, "hi": hhi},
+                        threshold=KERNEL_THRESHOLD, confidence=confidence)
+        if shift is not None:
+            out.append(KernelShift(op, b * scale, h, shift.slowdown, shift.lo, shift.hi, h / h_total))
+    return sorted(out, key=lambda k: (-k.slowdown, k.op))
+
+
+def _steady(median: float, lo: float, hi: float) -> bool:
+    return lo > 0 and hi > 0 and median / lo <= KERNEL_MAX_SPREAD and hi / median <= KERNEL_MAX_SPREAD

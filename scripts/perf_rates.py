@@ -193,15 +193,18 @@ def false_positives(a: Any, b: Any, threshold: float) -> dict[str, Any]:
     res = diff_runs(a, b, perf_threshold=threshold).perf
     return {"compared": res.compared, "flagged": [c.model_id for c in res.regressions],
             "details": [c.detail for c in res.regressions], "inconclusive": [c.model_id for c in res.inconclusive],
-            "geomean": res.geomean}
+            "kernels": [f"{k.model_id}: {k.detail}" for k in res.kernels], "geomean": res.geomean}
 
 
 def catch(b: Any, planted: Any, op: str, threshold: float, true: dict[str, dict]) -> dict[str, Any]:
     """The planted run against clean B: which models must be caught (measured slowdown >= threshold), which were
     (a regression), which the gate left inconclusive, which it passed as unchanged (missed)."""
     res = diff_runs(b, planted, perf_threshold=threshold).perf
-    verdicts = {c.model_id: ("caught", c) for c in res.regressions} | {
-        c.model_id: ("inconclusive", c) for c in res.inconclusive}
+    # a step regression, or (the step not one) a kernel regression: either is caught; the kernel gate's own
+    # count says how many only it caught
+    verdicts: dict[str, tuple[str, Any]] = {c.model_id: ("inconclusive", c) for c in res.inconclusive}
+    verdicts |= {k.model_id: ("caught", k) for k in res.kernels} | {c.model_id: ("caught", c) for c in res.regressions}
+    by_kernel = {k.model_id for k in res.kernels} - {c.model_id for c in res.regressions}
     must, borderline, others = [], [], []
     name = op.split("::")[1].lstrip("_")
     for model in sorted(set(b["model_id"])):
@@ -211,11 +214,13 @@ def catch(b: Any, planted: Any, op: str, threshold: float, true: dict[str, dict]
         how, ch = verdicts.get(model, ("missed", None))
         row = {"model": model, "true": t["median"], "true_lo": t["lo"], "true_hi": t["hi"], "verdict": how,
                "slowdown": round(ch.slowdown, 3) if ch else None, "op": ch.op if ch else "",
-               "named": bool(ch and name in ch.op), "detail": ch.detail if ch else "", "share": ch.op_share if ch else None}
+               "named": bool(ch and name in ch.op), "detail": ch.detail if ch else "",
+               "share": getattr(ch, "op_share", None) if ch else None, "kernel": model in by_kernel}
         (must if t["lo"] >= threshold else borderline if t["median"] >= threshold else others).append(row)
     count = {v: sum(1 for r in must if r["verdict"] == v) for v in ("caught", "inconclusive", "missed")}
     return {"op": op, "compared": res.compared, "must_catch": len(must), **count,
             "op_named": sum(1 for r in must if r["verdict"] == "caught" and r["named"]),
+            "by_kernel": sum(1 for r in must if r["verdict"] == "caught" and r["kernel"]),
             "shares": [r["share"] for r in must if r["verdict"] == "caught" and r["named"]],
             "flagged_among_others": [r for r in others if r["verdict"] == "caught"], "others": len(others),
             "must": must, "borderline": borderline, "geomean": res.geomean}
@@ -266,12 +271,14 @@ def table(result: dict[str, Any], threshold: float) -> list[str]:
     def add(label: str, cell: Any) -> None:
         rows.append((label, [cell(result["hosts"][h]) for h in hosts]))
 
-    add("false positives (clean A vs B)", lambda r: f"{len(r['false_positives']['flagged'])} of "
+    add("false positives (clean A vs B)", lambda r: f"{len(r['false_positives']['flagged']) + len(r['false_positives'].get('kernels', []))} of "
         f"{r['false_positives']['compared']}")
+    add("  of which kernel regressions", lambda r: str(len(r["false_positives"].get("kernels", []))))
     add("  inconclusive", lambda r: str(len(r["false_positives"]["inconclusive"])))
     for label in next(iter(result["hosts"].values()))["planted"]:
         add(f"planted {label}: must catch", lambda r, k=label: str(r["planted"][k]["must_catch"]))
         add("  caught (op named)", lambda r, k=label: f"{r['planted'][k]['caught']} ({r['planted'][k]['op_named']})")
+        add("  of those, by the kernel gate alone", lambda r, k=label: str(r["planted"][k].get("by_kernel", 0)))
         add("  inconclusive", lambda r, k=label: str(r["planted"][k]["inconclusive"]))
         add("  missed (passed as unchanged)", lambda r, k=label: str(r["planted"][k]["missed"]))
         add("  flagged among the others", lambda r, k=label: f"{len(r['planted'][k]['flagged_among_others'])} of "

@@ -298,7 +298,7 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return not self.gating and not (self.perf is not None and self.perf.regressions)
+        return not self.gating and not (self.perf is not None and (self.perf.regressions or self.perf.kernels))
 
     def by_status(self, status: str) -> list[ModelStatus]:
         return [v for v in self.verdicts if v.status == status]
@@ -435,6 +435,7 @@ def verdict_line(res: CheckResult) -> str:
     c = res.counts
     head = "OK" if res.ok else "FAIL"
     perf = (f", {len(res.perf.regressions)} perf regression(s) of {res.perf.compared} timed"
+            + (f", {len(res.perf.kernels)} kernel regression(s)" if res.perf.kernels else "")
             + (f" ({len(res.perf.inconclusive)} inconclusive, not counted)" if res.perf.inconclusive else "")
             if res.perf is not None else "")
     return (f"{head}: {c['new_failure']} new failure(s), {c['unexpected_pass']} unexpected pass(es){perf}; "

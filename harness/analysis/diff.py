@@ -84,8 +84,8 @@ class DiffResult:
 
     @property
     def failed(self) -> bool:
-        """Whether the gate fails: a regression, or a perf regression."""
-        return bool(self.regressions or self.perf.regressions)
+        """Whether the gate fails: a regression, a perf regression, or a kernel regression."""
+        return bool(self.regressions or self.perf.regressions or self.perf.kernels)
 
     def regression_groups(self) -> list[tuple[str, list[Change]]]:
         """Regressions grouped by the head row's failure fingerprint, biggest group first: 157 models
@@ -101,6 +101,7 @@ class DiffResult:
         out["regressions"] = [dataclasses.asdict(c) for c in self.regressions]
         out["n_regressions"] = len(self.regressions)
         out["n_perf_regressions"] = len(self.perf.regressions)
+        out["n_kernel_regressions"] = len(self.perf.kernels)
         out["n_perf_inconclusive"] = len(self.perf.inconclusive)
         out["perf"] = self.perf.to_dict()
         out["regression_groups"] = [
@@ -429,10 +430,12 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     section("added", res.added)
     section("removed", res.removed)
     lines += format_gate(res.perf, limit=limit)
-    n_perf = len(res.perf.regressions)
+    n_perf, n_kernel = len(res.perf.regressions), len(res.perf.kernels)
     verdict = [f"{n_reg} regression(s)"] if n_reg else []
     verdict += [f"{n_perf} perf regression(s)"] if n_perf else []
+    verdict += [f"{n_kernel} kernel regression(s)"] if n_kernel else []
     n_open = len(res.perf.inconclusive)
     verdict += [f"{n_open} perf inconclusive (not counted)"] if n_open else []
-    lines.append("\nRESULT: " + (", ".join(verdict) if n_reg or n_perf else ", ".join(["no regressions", *verdict])))
+    lines.append("\nRESULT: " + (", ".join(verdict) if n_reg or n_perf or n_kernel
+                                  else ", ".join(["no regressions", *verdict])))
     return "\n".join(lines)

@@ -7,7 +7,8 @@ slower by the threshold beyond both measurements' noise is a perf regression.
 
 It keeps what the test needs, per model: the compared quantity's median and the interval of that median,
 the number of rounds, the CPU reference's median (to scale the op profile by the machine's speed), and
-the profile's total and top ops (``op=µs`` separated by spaces) to name the op that added the time. The
+the profile's total and top ops (``op=µs[lo:hi]`` separated by spaces: the op's self time per step and the
+interval of it over the profiled rounds) to name the op that added the time and judge each kernel's own. The
 numbers are the machine's: commit it from the machine (or runner type) the nightly runs on.
 """
 
@@ -66,7 +67,9 @@ def format_perf(config: Config, perfs: dict[str, dict[str, Any]], *, command: st
         q = next(k for k in QUANTITIES if isinstance(perf.get(k), dict))
         s = perf[q]
         prof = perf.get("profile") or {}
-        ops = " ".join(f"{op}={us:g}" for op, us in (prof.get("ops") or [])[:TOP_OPS])
+        ci = prof.get("ci") or {}
+        ops = " ".join(f"{op}={us:g}" + (f"[{ci[op][0]:g}:{ci[op][1]:g}]" if op in ci else "")
+                       for op, us in (prof.get("ops") or [])[:TOP_OPS])
         rows.append([model, q, _g(s["median"]), _g(s.get("lo")), _g(s.get("hi")), s.get("n", ""),
                      _g((perf.get("reference") or {}).get("median")), _g(prof.get("total_us")), ops])
     buf.write(csvio.format_rows(rows))
@@ -120,13 +123,21 @@ def read_perf(path: str | os.PathLike) -> tuple[Config, dict[str, dict[str, Any]
         if (ref_s := _num(p, n, "reference_s", ref)) is not None:
             perf["reference"] = {"median": ref_s}
         if (total_us := _num(p, n, "profile_us", total)) is not None:
-            pairs = []
+            pairs, ci = [], {}
             for item in ops.split():
                 op, sep, us = item.rpartition("=")
                 if not sep or not op:
-                    raise ValueError(f"{p}:{n}: top_ops entry {item!r}: expected 'aten::op=µs'")
-                pairs.append([op, _num(p, n, f"top_ops {op}", us, required=True)])
-            perf["profile"] = {"total_us": total_us, "ops": pairs}
+                    raise ValueError(f"{p}:{n}: top_ops entry {item!r}: expected 'aten::op=µs' or 'aten::op=µs[lo:hi]'")
+                us, bracket, interval = us.partition("[")
+                value = _num(p, n, f"top_ops {op}", us, required=True)
+                pairs.append([op, value])
+                if bracket:
+                    lo_us, colon, hi_us = interval.removesuffix("]").partition(":")
+                    low_us, high_us = _num(p, n, f"top_ops {op} lo", lo_us), _num(p, n, f"top_ops {op} hi", hi_us)
+                    if not (colon and interval.endswith("]") and low_us and high_us and low_us <= value <= high_us):
+                        raise ValueError(f"{p}:{n}: top_ops entry {item!r}: the interval must read [lo:hi] around µs")
+                    ci[op] = [low_us, high_us]
+            perf["profile"] = {"total_us": total_us, "ops": pairs, **({"ci": ci} if ci else {})}
             if len(pairs) >= TOP_OPS:  # the row's other ops were dropped here: none of them had more than the last
                 perf["profile"]["floor_us"] = min(us for _, us in pairs)
         out[model] = perf

@@ -55,6 +55,29 @@ class PerfChange:
 
 
 @dataclass
+class KernelChange:
+    """One model whose kernel got slower beyond noise (`harness.speed.kernel_shifts`) while its step as a
+    whole did not show a regression: the op, its factor and interval, its share of the step."""
+
+    model_id: str
+    config: str
+    op: str
+    base_us: float
+    head_us: float
+    slowdown: float
+    lo: float
+    hi: float
+    share: float  # of the head step's op time
+    step: str = ""  # what the step as a whole read ("1.12x slower [0.95-1.31]", inconclusive ...)
+    why: str = ""  # what disturbed either side's timing (the interval was widened by DRIFT)
+
+    @property
+    def detail(self) -> str:
+        return (f"{self.op} self time {self.slowdown:.1f}x [{self.lo:.2f}-{self.hi:.2f}], {self.share:.0%} of the "
+                f"step's op time; the step: {self.step}")
+
+
+@dataclass
 class PerfGate:
     """The outcome of comparing every model's speed."""
 
@@ -63,6 +86,7 @@ class PerfGate:
     allowlisted: list[PerfChange] = field(default_factory=list)  # slower beyond noise, but known-noisy
     inconclusive: list[PerfChange] = field(default_factory=list)  # could be slower; the host cannot tell (not gating)
     faster: list[PerfChange] = field(default_factory=list)  # informational
+    kernels: list[KernelChange] = field(default_factory=list)  # gating: a kernel slower beyond noise, the step not
     compared: int = 0  # models with a speed on both sides
     geomean: float | None = None  # of every compared model's slowdown (head / base)
 
@@ -209,6 +233,24 @@ def _ratio_moved(base: Mapping[str, Any], head: Mapping[str, Any], own: float) -
     return f"the ratio grew but the target's own step did not as much ({own:.2f}x{ref}): not the target's doing"
 
 
+def kernel_regressions(change: PerfChange, shift: speed.Shift, base: Mapping[str, Any], head: Mapping[str, Any],
+                       kind: str) -> list[KernelChange]:
+    """The kernels of one model whose own time grew by `speed.KERNEL_THRESHOLD` with an interval above 1 (widened
+    by `DRIFT` where either side's timing was disturbed, as the step's is), on the step's clock, the base's op
+    times scaled by the host's part of the step's change: a kernel five times slower is a regression the
+    morning after, whatever the busy host did to the step as a whole."""
+    _, scale = _added(change.quantity, shift.slowdown, base, head)
+    why = "; ".join(d for d in (*disturbance(base), *disturbance(head)))
+    out = []
+    for k in speed.kernel_shifts(base.get("profile"), head.get("profile"), scale=scale):
+        lo = k.lo / DRIFT if why else k.lo
+        if k.slowdown >= speed.KERNEL_THRESHOLD and lo > 1:
+            out.append(KernelChange(change.model_id, change.config, k.op, round(k.base_us, 1), round(k.head_us, 1),
+                                    k.slowdown, lo, k.hi * DRIFT if why else k.hi, round(k.share, 4),
+                                    step=f"{shift.describe()}{' (' + kind + ')' if kind != UNCHANGED else ''}", why=why))
+    return out
+
+
 def allowed(model_id: str, allowlist: Mapping[str, str]) -> str | None:
     """The reason ``model_id`` is on the perf allowlist (exact id or fnmatch pattern), else None."""
     for pattern, reason in allowlist.items():
@@ -235,6 +277,8 @@ def gate(pairs: list[tuple[str, str, Mapping[str, Any] | None, Mapping[str, Any]
         res.compared += 1
         slowdowns.append(shift.slowdown)
         kind, change.why = judge(shift, b, h, threshold=threshold)
+        if kind != REGRESSION and allowed(model, allowlist or {}) is None:
+            res.kernels += kernel_regressions(change, shift, b, h, kind)
         if kind == REGRESSION:
             reason = allowed(model, allowlist or {})
             if reason is not None:
@@ -247,7 +291,7 @@ def gate(pairs: list[tuple[str, str, Mapping[str, Any] | None, Mapping[str, Any]
         elif kind == FASTER:
             res.faster.append(change)
     res.geomean = speed.geomean(slowdowns)
-    for items in (res.regressions, res.allowlisted, res.inconclusive):
+    for items in (res.regressions, res.allowlisted, res.inconclusive, res.kernels):
         items.sort(key=lambda c: (-c.slowdown, c.model_id))
     res.faster.sort(key=lambda c: (c.slowdown, c.model_id))
     return res
@@ -274,6 +318,12 @@ def format_gate(res: PerfGate, *, limit: int = 50) -> list[str]:
             lines.append(f"  ... and {len(items) - limit} more")
 
     section(f"PERF REGRESSIONS > {res.threshold:g}x", res.regressions)
+    if res.kernels:
+        lines.append(f"\nKERNEL REGRESSIONS >= {speed.KERNEL_THRESHOLD:g}x, the step not a regression ({len(res.kernels)}):")
+        for k in res.kernels[:limit]:
+            lines.append(f"  {k.model_id}  [{k.config}]  {k.detail}" + (f"  ({k.why})" if k.why else ""))
+        if len(res.kernels) > limit:
+            lines.append(f"  ... and {len(res.kernels) - limit} more")
     section("perf allowlist (slower, not counted)", res.allowlisted)
     section("perf inconclusive: the host could not tell (not counted; rerun on a quieter host)", res.inconclusive)
     section("faster (not gating)", res.faster)

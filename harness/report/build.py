@@ -323,7 +323,7 @@ def _render_index(site: _Site, data: _RunData, configs: list[str], res: DiffResu
                   cov: pd.DataFrame, groups: list[FailureGroup], work: Worklist | None = None) -> None:
     site.render("index.html", "index.html",
                 **summary_view(data.df, data.runs, configs, res, cov=cov, groups=groups, hrefs=hrefs),
-                speed=speed_view(data.df, hrefs), perf_regressions=len(res.perf.regressions) if res is not None else 0,
+                speed=speed_view(data.df, hrefs), perf_regressions=len(res.perf.regressions) + len(res.perf.kernels) if res is not None else 0,
                 work=worklist_view(work, hrefs, top=TOP))
 
 

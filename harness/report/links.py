@@ -41,6 +41,8 @@ def row_links(groups: list[FailureGroup], cov: pd.DataFrame, res: DiffResult | N
     if res is not None:
         for c in res.perf.regressions:
             flagged[(c.model_id, c.config)] = f"perf regression vs {res.base_run}: {c.detail}"
+        for k in res.perf.kernels:
+            flagged.setdefault((k.model_id, k.config), f"kernel regression vs {res.base_run}: {k.detail}")
         for c in res.perf.allowlisted:
             flagged.setdefault((c.model_id, c.config), f"slower vs {res.base_run} (allowlisted: {c.note}): {c.detail}")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from harness import speed
 from harness.analysis.matrix import perf_summary, perf_table
 from harness.analysis.perfgate import QUANTITIES, PerfChange, PerfGate, disturbance
 from harness.report.svg import as_number, svg_spread
@@ -83,18 +84,24 @@ def perf_diff_view(res: PerfGate, hrefs: dict[str, str]) -> dict[str, Any]:
                  "slowdown": fmt(c.slowdown), "op": c.op, "detail": c.detail,
                  "note": "; ".join(x for x in (c.note, c.why) if x)} for c in items]
 
+    kernels = [{"model": k.model_id, "href": hrefs.get(k.model_id), "config": k.config, "quantity": "kernel self time (µs)",
+                "base": fmt(k.base_us), "head": fmt(k.head_us), "slowdown": fmt(k.slowdown), "op": k.op,
+                "detail": k.detail, "note": k.why} for k in res.kernels]
     return {
         "threshold": f"{res.threshold:g}",
         "compared": res.compared,
         "geomean": fmt(res.geomean),
         "n_regressions": len(res.regressions),
+        "n_kernels": len(res.kernels),
         "n_inconclusive": len(res.inconclusive),
-        "sections": [{"title": t, "kind": k, "rows": rows(items)} for t, k, items in (
+        "sections": [{"title": t, "kind": k, "rows": r} for t, k, r in (
             (f"Perf regressions (at least {res.threshold:g}x slower, beyond both runs' noise)", "regression",
-             res.regressions),
-            ("Perf allowlist: slower, known-noisy (not counted)", "", res.allowlisted),
+             rows(res.regressions)),
+            (f"Kernel regressions (an op at least {speed.KERNEL_THRESHOLD:g}x slower beyond both runs' noise; the step "
+             "as a whole not a regression)", "regression", kernels),
+            ("Perf allowlist: slower, known-noisy (not counted)", "", rows(res.allowlisted)),
             ("Perf inconclusive: the host was too disturbed to tell (not counted; rerun on a quieter host)",
-             "inconclusive", res.inconclusive),
-            ("Faster", "fix", res.faster),
+             "inconclusive", rows(res.inconclusive)),
+            ("Faster", "fix", rows(res.faster)),
         )],
     }

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from harness.run.context import DEFAULT_BUDGET_S
-from harness.speed import median_ranks, ratios, summarize, top_ops
+from harness.speed import median_ranks, op_intervals, ratios, summarize, top_ops
 
 if TYPE_CHECKING:  # types only: perf runs after the target side, never imported by it
     import torch
@@ -295,6 +295,7 @@ def op_profile(step: Step, clock: tuple[str, Callable[[], float]] = ("thread-cpu
     clock_ns = _ns_clock(clock)
     bias = _call_cost(clock_ns)
     ns: dict[str, int] = {}
+    per_round: dict[str, list[float]] = {}
     calls = 0
     for r in range(rounds + 1):
         timer = _op_timer(clock_ns)
@@ -303,11 +304,14 @@ def op_profile(step: Step, clock: tuple[str, Callable[[], float]] = ("thread-cpu
         if r == 0:
             continue  # the first step through the mode warms its own code paths
         for op, t in timer.ns.items():
-            ns[op] = ns.get(op, 0) + max(0, t - bias * timer.calls[op])
+            own = max(0, t - bias * timer.calls[op])
+            ns[op] = ns.get(op, 0) + own
+            per_round.setdefault(op, []).append(own / 1e3)
         calls += sum(timer.calls.values())
     per_step = {op: t / rounds / 1e3 for op, t in ns.items()}
+    ops = top_ops(per_step)
     out = {"clock": clock[0], "rounds": rounds, "total_us": round(sum(per_step.values()), 1),
-           "ops": top_ops(per_step), "calls": round(calls / rounds)}
+           "ops": ops, "ci": op_intervals(per_round, [op for op, _ in ops]), "calls": round(calls / rounds)}
     return _against_step(out, step_s)
 
 
@@ -317,23 +321,25 @@ def _profiler_profile(step: Step, activity: torch.profiler.ProfilerActivity | No
     the host's; None when neither."""
     from torch.profiler import ProfilerActivity, profile
 
-    dev: dict[str, float] = {}
-    cpu: dict[str, float] = {}
+    dev: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for _ in range(rounds):
         with profile(activities=[ProfilerActivity.CPU] + ([activity] if activity is not None else [])) as prof:
             step()
         for evt in prof.key_averages():
             if not evt.key.startswith("aten::"):
                 continue
-            cpu[evt.key] = cpu.get(evt.key, 0.0) + float(evt.self_cpu_time_total)
+            cpu.setdefault(evt.key, []).append(float(evt.self_cpu_time_total))
             us = float(getattr(evt, "self_device_time_total", 0) or 0) if activity is not None else 0.0
             if us > 0:
-                dev[evt.key] = dev.get(evt.key, 0.0) + us
+                dev.setdefault(evt.key, []).append(us)
     times, clock = (dev, "device") if dev else ((cpu, "host") if host and cpu else ({}, ""))
     if not times:
         return None
-    per_step = {op: us / rounds for op, us in times.items()}
-    return {"clock": clock, "rounds": rounds, "total_us": round(sum(per_step.values()), 1), "ops": top_ops(per_step)}
+    per_step = {op: sum(us) / rounds for op, us in times.items()}
+    ops = top_ops(per_step)
+    return {"clock": clock, "rounds": rounds, "total_us": round(sum(per_step.values()), 1), "ops": ops,
+            "ci": op_intervals(times, [op for op, _ in ops])}
 
 
 COVER = 0.1  # the op total and the timed step agree within 10%, or the profile says why not
