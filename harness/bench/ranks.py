@@ -22,6 +22,7 @@ from harness.bench.config import (
     TARGETS,
     BenchConfig,
 )
+from harness.comms.planner import for_group
 from harness.comms.settings import collective_settings, parse_setting, set_collective_settings
 
 
@@ -174,7 +175,7 @@ def rank_main(rank: int, cfg_dict: dict, workdir: str) -> None:
     )
     try:
         pg = dist.group.WORLD
-        transport = pg.transport
+        transport = for_group(pg).transport  # barriers outside the settings: the planner's own wire
         specs = {name: parse_setting(name) for name in cfg.settings}
         times: dict[tuple, list[float]] = {}
         for op in cfg.ops:
