@@ -158,6 +158,7 @@ def _register() -> None:
         common.init_backend_registration.cache_clear()
     _printable()
     _registered = True
+    from . import distributed  # noqa: F401  the "sim" c10d backend: init_device_mesh("sim") picks it
 
 
 

@@ -24,8 +24,10 @@ This module depends only on torch, `harness.sim` and `harness.comms` (torch only
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
-from harness.comms import shaped
+from harness.comms.planner import ShapedCollectives
 from harness.comms.settings import (  # noqa: F401  the sim switches, re-exported
     BUCKET_MB_ENV,
     DEFAULT_BUCKET_MB,
@@ -49,6 +51,7 @@ from harness.comms.settings import (  # noqa: F401  the sim switches, re-exporte
 )
 from harness.comms.shaped import ShapedProcessGroup, make_transport  # noqa: F401
 
+from .native import ext
 from .tensor import inner
 
 BACKEND_NAME = "sim"
@@ -63,9 +66,20 @@ def _unwrap_sim(t: torch.Tensor) -> torch.Tensor:
     return inner(t)
 
 
+def _create(opts: c10d._DistributedBackendOptions, backend_options: object = None):
+    """The creator c10d calls for each group on sim: a native backend over a planner of this group's ranks."""
+    planner = ShapedCollectives(
+        opts.store, opts.group_rank, opts.group_size, opts.timeout, transport="gloo", unwrap=_unwrap_sim,
+        members=list(opts.global_ranks_in_group) or None, label=f"sim group {opts.group_id!r}", check=True,
+        group_name=opts.group_id,
+    )
+    return ext.planned_backend(planner, opts.group_rank, opts.group_size, BACKEND_NAME)
+
+
 def register() -> None:
     """Register the ``sim`` c10d backend (idempotent)."""
-    shaped.register(BACKEND_NAME, "gloo", ["sim"], _unwrap_sim)
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=[BACKEND_NAME])
 
 
 register()
