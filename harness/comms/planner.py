@@ -61,6 +61,11 @@ def for_group(group: dist.ProcessGroup) -> ShapedCollectives | None:
         return None
 
 
+class Misuse(RuntimeError):
+    """A collective the caller got wrong (a tensor the group cannot take, ranks that disagree): raised as it is,
+    never blamed on a peer. A RuntimeError, as c10d's own usage errors are."""
+
+
 def _collective(op: str) -> Callable:
     """A planner method: transport failures raised while planning come back naming the failed peer."""
 
@@ -69,7 +74,7 @@ def _collective(op: str) -> Callable:
         def run(self: ShapedCollectives, *args: object) -> torch.futures.Future:
             try:
                 return fn(self, *args)
-            except (ValueError, TypeError, dist.DistBackendError):
+            except (Misuse, ValueError, TypeError, dist.DistBackendError):
                 raise
             except RuntimeError as exc:
                 raise self.peers.explain(op, exc) from exc
@@ -144,7 +149,7 @@ class ShapedCollectives(Stages):
         self._world.allgather([rows], [mine], c10d.AllgatherOptions()).wait()
         problem = mismatch(OPS, [r.tolist() for r in rows], self.peers)
         if problem:
-            raise ValueError(f"{self.peers.label}: {problem}")
+            raise Misuse(f"Detected mismatch between collectives on ranks ({self.peers.label}): {problem}")
 
     def _finish(self, op: str, pending: list, result: list, after: Callable[[], None] | None = None):
         """A future whose value is ``result`` (the caller's tensors) once ``pending`` and then ``after`` are done."""
