@@ -60,6 +60,7 @@ class Ctx:
     mesh: Any = None
     contract: str = "fp32"
     workdir: str = ""
+    mesh_error: str = "no mesh"
     results: dict[str, dict] = field(default_factory=dict)
 
     @property
@@ -124,7 +125,7 @@ def probe_mesh(ctx: Ctx) -> None:
     import torch
 
     if ctx.mesh is None:
-        raise RuntimeError("no mesh")
+        raise RuntimeError(ctx.mesh_error)
     local = int(os.environ.get("LOCAL_RANK", ctx.rank))
     if ctx.device.type != "cpu" and torch.accelerator.current_device_index() != local:
         raise AssertionError(f"rank {ctx.rank} is on {ctx.device.type}:{torch.accelerator.current_device_index()}, "
@@ -302,9 +303,13 @@ def probe_hf_tp(ctx: Ctx) -> list[tuple[float, float]]:
         from transformers import DistributedConfig
 
         kw = {"distributed_config": DistributedConfig(tp_size=ctx.tp.size(), dp_replicate_size=ctx.dp.size())}
-    model = LlamaForCausalLM.from_pretrained(path, use_kernels=False, **kw).eval()
-    with torch.no_grad():
-        got = model(ids.to(ctx.device)).logits
+    try:
+        model = LlamaForCausalLM.from_pretrained(path, use_kernels=False, **kw).eval()
+        with torch.no_grad():
+            got = model(ids.to(model.device)).logits
+    finally:
+        if ctx.device.type != "cpu":  # it bound this process to LOCAL_RANK's device (0 when unset, as by hand)
+            torch.accelerator.set_device_index(ctx.device.index)
     return [_compare(ctx, got, want)]
 
 
@@ -343,7 +348,7 @@ PROBES: dict[str, Callable[[Ctx], Any]] = {
 # Settings' cost in an FSDP2 and a tensor-parallel step
 # ----------------------------------------------------------------------------------------------
 
-TIME_WIDTH, TIME_HIDDEN = 256, 1024  # ~1 MiB of parameters: FSDP2's all-gather and reduce-scatter carry it
+TIME_WIDTH, TIME_HIDDEN, TIME_TOKENS = 256, 1024, 256  # 2 MiB of parameters (FSDP2's all-gather, reduce-scatter)
 
 
 def time_settings(ctx: Ctx, specs: list[str], repeats: int) -> dict:
@@ -361,8 +366,12 @@ def time_settings(ctx: Ctx, specs: list[str], repeats: int) -> dict:
         fully_shard(layer, mesh=ctx.dp)
     fully_shard(fsdp, mesh=ctx.dp)
     tp = parallelize_module(_mlp(hidden=TIME_HIDDEN, width=TIME_WIDTH).to(ctx.device), ctx.tp, _tp_plan())
-    x = _batch(ctx.rank, TIME_WIDTH).to(ctx.device)
+    # 256 tokens, needing their gradient (as inside a model): the TP step all-reduces 256 KiB each way
+    x = torch.randn(TIME_TOKENS, TIME_WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
+    x = x.to(ctx.device).requires_grad_()
     planners = {p for p in (for_group(ctx.dp.get_group()), for_group(ctx.tp.get_group())) if p is not None}
+    for p in planners:
+        p.check = False  # time the settings, not a mismatch check no production backend makes
     steps = {"fsdp2_step": lambda: fsdp(x).pow(2).mean().backward(),
              "tp_step": lambda: tp(x).pow(2).mean().backward()}
     out: dict = {}
@@ -395,7 +404,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", action="append", default=[], help="module to import that registers the device")
     p.add_argument("--dist-backend", default="", help="c10d backend (default: the target's)")
     p.add_argument("--mesh", default="", help="N (1-D) or DPxTP, e.g. 2x2 (default: the world, 1-D)")
-    p.add_argument("--precision", default="highest", choices=["highest", "default"])
+    p.add_argument("--precision", default="highest", help="the target's precision modes to probe at, e.g. highest,default")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a target setting (sim: ops=full, ...), as `check` takes them")
     p.add_argument("--probes", default=",".join(PROBES), help="comma-separated subset of " + ",".join(PROBES))
@@ -435,30 +444,37 @@ def main(argv: list[str] | None = None) -> int:
     load_backends(args.backend, entry_points=True)
     adapter = adapter_for(args.target)
     adapter.load()
-    settings = adapter.check_settings({"precision": args.precision, **dict(kv.split("=", 1) for kv in args.set)})
+    extra = dict(kv.split("=", 1) for kv in args.set)
+    per = {p: adapter.check_settings({"precision": p, **extra}) for p in args.precision.split(",")}
     backend = args.dist_backend or adapter.dist_backend()
     torch.set_num_threads(1)  # several ranks on few cores
-    with adapter.apply(settings), _group(args, backend) as (rank, world):
+    first = next(iter(per.values()))
+    report: dict = {"target": args.target, "backend": backend, "probes": {}, "settings": {}}
+    with adapter.apply(first), _group(args, backend) as (rank, world):
         from torch.distributed.device_mesh import init_device_mesh
 
-        ctx = Ctx(args.target, rank, world, contract=adapter.declared_precision(settings), workdir=args.out or ".")
+        ctx = Ctx(args.target, rank, world, workdir=args.out or ".")
         if args.target != "cpu" and "LOCAL_RANK" not in os.environ:  # by hand: bind as a user would
             torch.accelerator.set_device_index(rank % adapter.device_count())
         shape = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else (world,)
-        names = ("dp", "tp") if len(shape) == 2 else ("world",)
         try:
-            ctx.mesh = init_device_mesh(args.target, shape, mesh_dim_names=names)
-        except Exception:  # the mesh probe says why; the others fail on it
-            ctx.mesh = None
+            ctx.mesh = init_device_mesh(args.target, shape, mesh_dim_names=("dp", "tp") if len(shape) == 2
+                                        else ("world",))
+        except Exception as exc:  # the mesh probe says why; the others fail on it
+            ctx.mesh_error = f"{type(exc).__name__}: {exc}"
         ctx.device = torch.device(args.target, torch.accelerator.current_device_index()) \
             if args.target != "cpu" else torch.device("cpu")
         wanted = [p for p in args.probes.split(",") if p and (p != "fsdp2_tp" or len(shape) == 2)]
-        for name in wanted:
-            _record(ctx, name, PROBES[name])
-        timing = time_settings(ctx, args.time.split(","), args.repeats) if args.time else {}
-        report = {"rank": rank, "world": world, "target": args.target, "backend": backend, "mesh": list(shape),
-                  "precision": args.precision, "contract": ctx.contract, "settings": settings,
-                  "probes": ctx.results, "timing": timing}
+        for precision, settings in per.items():
+            ctx.contract, ctx.results = adapter.declared_precision(settings), {}
+            with adapter.apply(settings):
+                for name in wanted:
+                    _record(ctx, name, PROBES[name])
+            report["probes"][precision] = ctx.results
+            report["settings"][precision] = {**settings, "contract": ctx.contract}
+        with adapter.apply(first):
+            timing = time_settings(ctx, args.time.split(","), args.repeats) if args.time else {}
+        report.update(rank=rank, world=world, mesh=list(shape), timing=timing)
     line = json.dumps(report)
     if args.out:
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
