@@ -84,6 +84,13 @@ def _collective(op: str) -> Callable:
     return wrap
 
 
+class _Options(c10d.Backend.Options):
+    """A planned backend's options: c10d's, copyable (``split_group`` deep-copies its parent's)."""
+
+    def __deepcopy__(self, memo: dict) -> _Options:
+        return _Options(self.backend, self._timeout)
+
+
 def _is_avg(opts: object) -> bool:
     return opts is not None and getattr(opts, "reduceOp", None) == dist.ReduceOp.AVG
 
@@ -108,14 +115,14 @@ class ShapedCollectives(Stages):
         members: Sequence[int] | None = None,
         label: str = "shaped_gloo",
         check: bool = False,
-        group_name: str = "",
     ) -> None:
         super().__init__(store, rank, size, timeout, transport, members or range(size))
         self._unwrap = unwrap
         self.check = check
+        self.label = label
         self.peers = Peers(store, rank, self.members, label)
-        if group_name:
-            _BY_GROUP[group_name] = self
+        # how a split of this group makes its planner: (store, rank, size, timeout, members) -> planner
+        self.factory: Callable[..., ShapedCollectives] | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -129,6 +136,25 @@ class ShapedCollectives(Stages):
     def transport(self):
         """The group-sized transport backend (gloo/nccl): for barriers and timing outside the settings."""
         return self._world
+
+    def named(self, group_name: str) -> None:
+        """The group got its name (c10d names a group after making its backend): errors and `for_group` use it."""
+        self.peers.label = f"{self.label} group {group_name!r}"
+        _BY_GROUP[group_name] = self
+
+    def split(self, store: dist.Store, ranks: list[int], timeout_s: float) -> ShapedCollectives:
+        """The planner of this rank in the subgroup of group ranks ``ranks`` (``dist.split_group``, which DeviceMesh
+        uses once ``init_process_group`` bound a device), over ``store``."""
+        members = [self.members[r] for r in ranks]
+        args = (store, ranks.index(self._rank), len(ranks), datetime.timedelta(seconds=timeout_s), members)
+        if self.factory is not None:
+            return self.factory(*args)
+        return ShapedCollectives(*args[:4], transport=self._kind, unwrap=self._unwrap, members=members,
+                                 label=self.label, check=self.check)
+
+    def options(self) -> c10d.Backend.Options:
+        """The backend's options as ``dist.split_group`` reads them (it deep-copies them)."""
+        return _Options(self.label, self._timeout)
 
     def shutdown(self) -> None:
         for g in [self._world, *self._sub.values()]:

@@ -135,24 +135,31 @@ class _Exclusive:
         self.index = index
 
 
-def _create(opts: c10d._DistributedBackendOptions, backend_options: object = None):
-    """The creator c10d calls for each group on sim: a native backend over a planner of this group's ranks."""
-    members = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+def _planner(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, members: list[int],
+             world: bool = False) -> ShapedCollectives:
+    """The planner of one rank of one sim group (``world``: the default group, whose size the devices bound)."""
     unwrap = _unwrap_sim
     if _flag(EXCLUSIVE_ENV, "0"):
         count = torch.sim.device_count()
-        if not opts.global_ranks_in_group and opts.group_size > count:
+        if world and size > count:
             raise RuntimeError(
-                f"world size {opts.group_size} is larger than sim's {count} devices, and devices are exclusive "
+                f"world size {size} is larger than sim's {count} devices, and devices are exclusive "
                 f"({EXCLUSIVE_ENV}=1: one rank per device, as NCCL requires); run at most {count} ranks or set "
-                f"{DEVICE_COUNT_ENV}={opts.group_size}"
+                f"{DEVICE_COUNT_ENV}={size}"
             )
-        unwrap = _Exclusive(opts.store, opts.group_rank, members, opts.timeout)
-    planner = ShapedCollectives(
-        opts.store, opts.group_rank, opts.group_size, opts.timeout, transport="gloo", unwrap=unwrap,
-        members=members, label=f"sim group {opts.group_id!r}", check=_flag(CHECK_ENV, "1"), group_name=opts.group_id,
-    )
-    return ext.planned_backend(planner, opts.group_rank, opts.group_size, BACKEND_NAME)
+        unwrap = _Exclusive(store, rank, members, timeout)
+    planner = ShapedCollectives(store, rank, size, timeout, transport="gloo", unwrap=unwrap, members=members,
+                                label=BACKEND_NAME, check=_flag(CHECK_ENV, "1"))
+    planner.factory = _planner  # a split group (DeviceMesh after init_process_group(device_id=...)) is one too
+    return planner
+
+
+def _create(opts: c10d._DistributedBackendOptions, backend_options: object = None):
+    """The creator c10d calls for each group on sim: a native backend over a planner of this group's ranks."""
+    members = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    planner = _planner(opts.store, opts.group_rank, opts.group_size, opts.timeout, members,
+                       world=not opts.global_ranks_in_group)
+    return ext.planned_backend(planner, opts.group_rank, opts.group_size, BACKEND_NAME, opts.timeout)
 
 
 def register() -> None:

@@ -4,7 +4,7 @@
 // which c10d keeps on the group's backends, and the functional ops (`_c10d_functional::*`) reach the
 // backend registered for the tensor's device through the dispatcher, never a Python `ProcessGroup`
 // subclass's methods. torch cannot construct a `c10d::Backend` from Python, so this one forwards each
-// collective to a Python planner (`harness.comms.shaped.ShapedCollectives`: the collective settings,
+// collective to a Python planner (`harness.comms.planner.ShapedCollectives`: the collective settings,
 // over gloo on the host memory behind sim tensors) and wraps the future it returns in a Work.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -12,7 +12,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
+#include <pybind11/chrono.h>
 
+#include <algorithm>
 #include <atomic>
 
 namespace sim {
@@ -92,8 +94,8 @@ Opts summed(const Opts& opts) {
 
 class PlannedBackend : public c10d::Backend {
  public:
-  PlannedBackend(py::object planner, int rank, int size, std::string name)
-      : Backend(rank, size), planner_(new py::object(std::move(planner))), name_(std::move(name)) {}
+  PlannedBackend(py::object planner, int rank, int size, std::string name, std::chrono::milliseconds timeout)
+      : Backend(rank, size), planner_(new py::object(std::move(planner))), name_(std::move(name)), timeout_(timeout) {}
 
   ~PlannedBackend() override {
     if (Py_IsInitialized()) {
@@ -104,6 +106,36 @@ class PlannedBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return name_; }
   py::object planner() const { return *planner_; }
+
+  // c10d names a group after making its backend; the planner's errors and harness.comms.planner.for_group use it.
+  void setGroupUid(const std::string& pg_uid) override {
+    Backend::setGroupUid(pg_uid);
+    py::gil_scoped_acquire gil;
+    planner_->attr("named")(pg_uid);
+  }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override { return c10::make_intrusive<Options>(name_, timeout_); }
+
+  // dist.split_group (DeviceMesh's way to make its groups once init_process_group bound a device, as NCCL does):
+  // the planner makes the subgroup's planner over the store c10d gives; a rank outside `ranks` gets none.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    auto it = std::find(ranks.begin(), ranks.end(), getRank());
+    if (it == ranks.end()) return nullptr;
+    auto timeout = opts ? opts->timeout : timeout_;
+    py::object sub;
+    {
+      py::gil_scoped_acquire gil;
+      try {
+        sub = planner_->attr("split")(store, ranks, timeout.count() / 1000.0);
+      } catch (py::error_already_set& e) {
+        rethrow_python(e);
+      }
+    }
+    return c10::make_intrusive<PlannedBackend>(std::move(sub), static_cast<int>(it - ranks.begin()),
+                                               static_cast<int>(ranks.size()), name_, timeout);
+  }
 
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
@@ -269,26 +301,25 @@ class PlannedBackend : public c10d::Backend {
 
   py::object* planner_;  // deleted under the GIL (see the destructor)
   std::string name_;
+  std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
 };
 
 }  // namespace
 
 void bind_backend(py::module_& m) {
+  // Registered so a group's backend is this type in Python: `dist.split_group` deep-copies `backend.options`.
+  py::class_<PlannedBackend, c10d::Backend, c10::intrusive_ptr<PlannedBackend>>(m, "PlannedBackend")
+      .def_property_readonly("options", [](const PlannedBackend& b) { return b.planner().attr("options")(); })
+      .def_property_readonly("planner", &PlannedBackend::planner);
   m.def(
       "planned_backend",
-      [](py::object planner, int rank, int size, const std::string& name) -> c10::intrusive_ptr<c10d::Backend> {
-        return c10::make_intrusive<PlannedBackend>(std::move(planner), rank, size, name);
+      [](py::object planner, int rank, int size, const std::string& name,
+         std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+        return c10::make_intrusive<PlannedBackend>(std::move(planner), rank, size, name, timeout);
       },
-      py::arg("planner"), py::arg("rank"), py::arg("size"), py::arg("name"),
-      "a c10d Backend named `name` whose collectives call `planner`'s methods (see harness.comms.shaped)");
-  m.def(
-      "planner_of",
-      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
-        auto* b = dynamic_cast<PlannedBackend*>(backend.get());
-        return b == nullptr ? py::none() : b->planner();
-      },
-      "the planner behind a backend made by planned_backend (None for any other backend)");
+      py::arg("planner"), py::arg("rank"), py::arg("size"), py::arg("name"), py::arg("timeout"),
+      "a c10d Backend named `name` whose collectives call `planner`'s methods (see harness.comms.planner)");
 }
 
 }  // namespace sim
