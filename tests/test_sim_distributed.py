@@ -3,7 +3,8 @@ collectives; each probe beside its gloo control, in real processes on real sim (
 
 The probes (`harness.bench.distprobes`) run in four launches: 2 ranks on gloo and on sim under torchrun (env
 rendezvous; sim with exclusive devices, at both precisions, and timing FSDP2/TP steps under collective
-settings), then a 2x2 mesh on gloo (torchrun) and on sim (a FileStore passed by hand, 4 sim devices). Wrong use
+settings), then a 2x2 mesh on gloo (torchrun) and on sim (a FileStore passed by hand, 4 sim devices, the group
+bound to a device so DeviceMesh splits it, as torchtitan's jobs do). Wrong use
 runs in three more (`dist_wrong_use.py`, no torchrun: a rank that dies must not take its peers down with it).
 Every launch has its own process group (killed whole on a timeout) and talks on 127.0.0.1 only.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.bench.watchdog import rank_in_text
 from harness.comms.peers import Peers, describe, fingerprint, mismatch
 from harness.comms.planner import OPS
 from harness.comms.transport import Hosts
@@ -110,7 +112,7 @@ def two_ranks(tmp_path_factory, cache) -> dict[str, list[dict]]:
 def mesh_2x2(tmp_path_factory, cache) -> dict[str, list[dict]]:
     tmp = tmp_path_factory.mktemp("probes4")
     gloo = _torchrun(tmp / "gloo", 4, ["--target", "cpu", "--mesh", "2x2"], TORCHINDUCTOR_CACHE_DIR=cache)
-    sim = _by_hand(tmp / "sim", 4, ["--target", "sim", "--set", "ops=full", "--mesh", "2x2",
+    sim = _by_hand(tmp / "sim", 4, ["--target", "sim", "--set", "ops=full", "--mesh", "2x2", "--device-id",
                                     "--precision", "highest,default"],
                    TORCHINDUCTOR_CACHE_DIR=cache, PORTHARNESS_SIM_DEVICES="4")
     return {"gloo": gloo, "sim": sim}
@@ -188,7 +190,7 @@ def test_wrong_use_fails_fast_and_names_the_rank(tmp_path) -> None:
         for case in ("cpu_tensor", "other_sim_device", "sim_tensor_on_gloo", "mismatched_size", "mismatched_op"):
             assert found[case]["s"] < 2, (case, found[case])
     died = r0["peer_died"]
-    assert "DistBackendError" in died["error"] and "rank 1 (pid " in died["error"] and "is dead" in died["error"]
+    assert died["error"].startswith("DistBackendError: rank 1 (pid ") and "is dead: all_reduce failed" in died["error"]
     killed_at = float((tmp_path / "misuse" / "killed_at").read_text())
     assert died["at"] - killed_at < 10, died  # far inside the 20 s timeout: gloo's connection reset, named
 
@@ -244,6 +246,28 @@ def test_a_dead_peer_is_named_by_its_pid(tmp_path) -> None:
     proc.wait()
     store.set("portharness/peer/1", f"{socket.gethostname()} {proc.pid}")
     err = me.explain("all_reduce", RuntimeError("Connection reset by peer"))
-    assert "all_reduce on rank 4 (group rank 0) of 2 (sim group '1') failed: rank 5 (group rank 1)" in str(err)
-    assert f"(pid {proc.pid}) is dead" in str(err) and "Connection reset by peer" in str(err)
-    assert isinstance(err, dist.DistBackendError)
+    assert str(err).startswith(f"rank 5 (group rank 1) (pid {proc.pid}) is dead: all_reduce failed in sim group "
+                               f"'1' of 2 ranks (here: pid {os.getpid()})"), str(err)
+    assert "Connection reset by peer" in str(err) and isinstance(err, dist.DistBackendError)
+    assert rank_in_text(str(err)) == 5  # what the fault bench's watchdog reads: the dead rank, not this one
+
+
+def test_transformers_cannot_make_sims_group_itself(tmp_path, monkeypatch) -> None:
+    """transformers maps device types to backends by a fixed table: asked to start the group for sim itself, it
+    fails before any process group exists. The way that works (README): make the group first, then load."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import harness.sim  # noqa: F401  sim is this process's accelerator
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    assert torch.accelerator.current_accelerator().type == "sim"
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(OSError, match="We tried to initialize torch.distributed for you") as info:
+        LlamaForCausalLM.from_pretrained(tmp_path, tp_plan="auto", use_kernels=False)
+    assert "No distributed backend found for device type 'sim'" in str(info.value.__cause__)
+    assert not dist.is_initialized()

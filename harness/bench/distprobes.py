@@ -8,7 +8,8 @@ probe          what it does
 ============== =====================================================================================
 mesh           ``init_device_mesh`` (1-D, or 2-D ``("dp", "tp")``); each rank bound to its device
 funcol         functional collectives on every mesh dimension (all_reduce, all_gather, reduce_scatter,
-               all_to_all_single even and uneven), and their in-place ``dist.*`` forms, async + wait
+               all_to_all_single even and uneven, the coalesced forms), and the in-place ``dist.*`` forms,
+               async + wait
 dtensor        DTensor matmul: Shard(0) x Replicate (2-D: Shard(0) x Shard(1)) = the local product
 fsdp2          ``fully_shard`` a 2-layer MLP on the dp dimension, one backward: gradients = one device's
 tp             ``parallelize_module`` colwise + rowwise on the tp dimension: output and gradients
@@ -170,6 +171,14 @@ def probe_funcol(ctx: Ctx) -> list[tuple[float, float]]:
         x_u = src(ctx.rank, me).to(ctx.device)
         want_u = torch.cat([src(r, i).split([i + j + 1 for j in range(n)])[me] for i, r in enumerate(ranks)])
         cases.append((funcol.all_to_all_single(x_u, outs, ins, pg), want_u))
+        # the coalesced forms (one call, several tensors: packed by the bucket setting on a planned group)
+        a, b = val(ctx.rank, 2 * n).to(ctx.device), val(ctx.rank + 7, 4 * n).to(ctx.device)
+        gathered = funcol.all_gather_into_tensor_coalesced([a, b], pg)
+        cases += [(gathered[0], torch.cat([val(r, 2 * n) for r in ranks])),
+                  (gathered[1], torch.cat([val(r + 7, 4 * n) for r in ranks]))]
+        scattered = funcol.reduce_scatter_tensor_coalesced([a, b], "sum", [0, 0], pg)
+        cases += [(scattered[0], sum(val(r, 2 * n) for r in ranks).chunk(n)[me]),
+                  (scattered[1], sum(val(r + 7, 4 * n) for r in ranks).chunk(n)[me])]
         for got, want in cases:
             pairs.append(_compare(ctx, funcol.wait_tensor(got) if hasattr(got, "wait") else got, want))
         # the in-place forms, async: the Work's wait, as FSDP2 uses them
@@ -409,6 +418,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="a target setting (sim: ops=full, ...), as `check` takes them")
     p.add_argument("--probes", default=",".join(PROBES), help="comma-separated subset of " + ",".join(PROBES))
     p.add_argument("--rendezvous", default="env", help="env (torchrun) or file:PATH (a FileStore given by hand)")
+    p.add_argument("--device-id", action="store_true",
+                   help="init_process_group(device_id=...): bind the group to the rank's device, as torchtitan does "
+                        "(DeviceMesh then makes its groups with split_group)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     p.add_argument("--time", default="", help="collective settings to time FSDP2/TP steps under, e.g. fused,skinny")
     p.add_argument("--repeats", type=int, default=5)
@@ -418,15 +430,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def _group(args: argparse.Namespace, backend: str) -> Iterator[tuple[int, int]]:
+    import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=args.timeout)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kw: dict = {"timeout": timeout}
+    if args.device_id:
+        kw["device_id"] = torch.device(args.target, int(os.environ.get("LOCAL_RANK", rank)))
     if args.rendezvous == "env":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, **kw)
     elif args.rendezvous.startswith("file:"):
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = dist.FileStore(args.rendezvous[5:], world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
     else:
         raise ValueError(f"--rendezvous {args.rendezvous!r}: expected env or file:PATH")
     try:
