@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 
 import harness.sim
@@ -101,6 +102,23 @@ def _collectives(rank: int, world: int, spec: str, ref, dev: str, sizes: tuple[i
         scatter_single(out_s, sim(flat))
         scatter_single(out_c, flat.clone(), group=ref)
         _check(f"reduce_scatter_tensor n={n}", spec, out_s, out_c)
+
+        # all_to_all_single, uneven: rank i sends (i + j + 1) * n elements to rank j; skinny/cap split it per peer
+        send = [(rank + j + 1) * n for j in range(world)]
+        recv = [(i + rank + 1) * n for i in range(world)]
+        x = _data(gen, sum(send))
+        out_s, out_c = torch.empty(sum(recv)).to(dev), torch.empty(sum(recv))
+        dist.all_to_all_single(out_s, sim(x), recv, send)
+        dist.all_to_all_single(out_c, x.clone(), recv, send, group=ref)
+        _check(f"all_to_all_single n={n}", spec, out_s, out_c)
+
+        # Several tensors in one call: packed by the bucket setting
+        ins = [_data(gen, n * world), _data(gen, 3 * world)]
+        got = funcol.reduce_scatter_tensor_coalesced([sim(i) for i in ins], "sum", [0, 0], dist.group.WORLD)
+        for g, i in zip(got, ins, strict=True):
+            want = torch.empty(i.numel() // world)
+            scatter_single(want, i.clone(), group=ref)
+            _check(f"reduce_scatter_tensor_coalesced n={n}", spec, g, want)
 
     # Many small tensors: packed by the bucket setting; compared with one gloo all_reduce each.
     tensors = [_data(gen, n) for n in (3, 500, 1000, 17, 256)]
@@ -252,6 +270,21 @@ def test_bucket_setting_packs_coalesced_tensors(world_of_one) -> None:
         world_of_one.allreduce_coalesced(tensors).wait()
         assert world_of_one._world.calls == [("allreduce", n) for n in messages], spec
     assert [t.cpu()[0].item() for t in tensors] == [float(i) for i in range(8)]
+
+
+def test_bucket_setting_packs_coalesced_gathers_and_scatters(world_of_one) -> None:
+    ins = [torch.full((256,), float(i)).to("sim") for i in range(4)]  # 1 KiB each
+    outs = [torch.empty(256).to("sim") for _ in range(4)]
+    planner = world_of_one.planner
+    for spec, messages in (("fused", [1024]), ("bucket:2k", [512] * 2), ("bucket:0", [256] * 4)):
+        sd.set_collective_settings(sd.parse_setting(spec))
+        world_of_one._world.calls.clear()
+        planner.allgather_into_tensor_coalesced(outs, ins).wait()
+        assert world_of_one._world.calls == [("allgather", n) for n in messages], spec
+        world_of_one._world.calls.clear()
+        planner.reduce_scatter_tensor_coalesced(outs, ins).wait()
+        assert world_of_one._world.calls == [("reduce_scatter", n) for n in messages], spec
+    assert [t.cpu()[0].item() for t in outs] == [float(i) for i in range(4)]
 
 
 def test_sim_group_refuses_cpu_tensors_clearly(world_of_one) -> None:

@@ -73,6 +73,19 @@ class Adapter:
 
     more_devices_hint = ""  # how to get more devices, for the out-of-range message
 
+    def dist_backend(self) -> str:
+        """The c10d backend for this device type's tensors (``dist.init_process_group(name)``): the one its
+        backend registered for it (``Backend.register_backend(..., devices=[kind])``), or PyTorch's default.
+        ValueError when there is none."""
+        import torch.distributed as dist
+
+        self.load()
+        name = dist.Backend.default_device_backend_map.get(self.kind)
+        if name is None:
+            raise ValueError(f"no c10d backend is registered for {self.kind} tensors; load the backend's module "
+                             "(--backend) or name the c10d backend (--dist-backend)")
+        return name
+
     @property
     def ray_resource(self) -> str:
         """The Ray resource one device of this type is: Ray's own accelerator resource where it has one

@@ -22,6 +22,11 @@ class SimAdapter(Adapter):
     def load(self) -> None:
         import harness.sim  # noqa: F401  registers the backend in this process
 
+    def dist_backend(self) -> str:
+        import harness.sim.distributed  # noqa: F401  registers the "sim" c10d backend
+
+        return super().dist_backend()
+
     def device_count(self) -> int:
         self.load()
         import torch

@@ -25,11 +25,14 @@ def opts_like(cls: type, src: object | None, **fields: object) -> object:
 class Messages:
     """Issues the messages of one stage; serial (skinny) waits each one before issuing the next."""
 
-    def __init__(self, serial: bool) -> None:
+    def __init__(self, serial: bool, counter: object = None) -> None:
         self.serial = serial
         self.works: list = []
+        self._counter = counter  # an object whose ``sent`` counts the messages issued
 
     def add(self, work) -> None:
+        if self._counter is not None:
+            self._counter.sent += 1
         if self.serial:
             work.wait()
         else:
@@ -43,26 +46,66 @@ class Messages:
 
 @dataclass(frozen=True)
 class Hosts:
-    """Which emulated host a rank sits on under per-host placement."""
+    """Which emulated host each member of a group sits on under per-host placement.
 
-    world: int
-    rank: int
+    ``members`` are the global ranks of the group's ranks (group rank i is ``members[i]``): a host holds
+    the global ranks ``[h * per_host, (h + 1) * per_host)``, so a subgroup (a DeviceMesh dimension) is
+    placed where its ranks really are, not as if it were a world of its own. Every host holding members
+    of the group must hold as many of them (the leaders' stage moves equal blocks); `check` says so.
+    """
+
+    members: tuple[int, ...]
+    rank: int  # this process's group rank
     per_host: int
 
     @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def host_of(self, group_rank: int) -> int:
+        return self.members[group_rank] // self.per_host
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The group ranks on each host holding members, hosts in order, ranks in group order."""
+        by: dict[int, list[int]] = {}
+        for r in range(self.world):
+            by.setdefault(self.host_of(r), []).append(r)
+        return [by[h] for h in sorted(by)]
+
+    @property
     def host(self) -> int:
-        return self.rank // self.per_host
+        """This rank's host, as an index into `groups`."""
+        return next(i for i, g in enumerate(self.groups) if self.rank in g)
 
     @property
     def local(self) -> int:
-        return self.rank % self.per_host
+        return self.groups[self.host].index(self.rank)
 
     @property
     def n_hosts(self) -> int:
-        return self.world // self.per_host
+        return len(self.groups)
 
-    def first(self, host: int) -> int:
-        return host * self.per_host
+    @property
+    def here(self) -> int:
+        """Members on each host (equal everywhere, see `check`)."""
+        return len(self.groups[0])
+
+    @property
+    def order(self) -> list[int]:
+        """Group ranks host by host: the row order of the buffers the hierarchical plans move."""
+        return [r for g in self.groups for r in g]
+
+    def leader(self, host: int) -> int:
+        return self.groups[host][0]
+
+    def check(self) -> None:
+        sizes = {len(g) for g in self.groups}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"per-host placement with {self.per_host} ranks per host needs as many ranks of a group on every "
+                f"host; group of global ranks {list(self.members)} has {[len(g) for g in self.groups]} per host"
+            )
 
 
 def flat_view(t: torch.Tensor) -> torch.Tensor:

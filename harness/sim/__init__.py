@@ -29,13 +29,17 @@ fallback   PORTHARNESS_SIM_FALLBACK     set_fallback / fallback()             of
 memory     PORTHARNESS_SIM_MEMORY_MB    set_memory_size / memory_size()       MiB per device, def.
                                                                               host RAM; beyond: OOM
 devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       device count, def. 2
+exclusive  PORTHARNESS_SIM_EXCLUSIVE    (read when a group is made)           1: one rank per device
+check      PORTHARNESS_SIM_CHECK_       planner.for_group(pg).check           1 (default): a mismatch
+           COLLECTIVES                                                        across ranks is an error
 ========== ============================ ===================================== ======================
 
 It behaves like a device because it is one: a native PrivateUse1 backend (``native``, C++ built on
 first use). Its tensors are plain `torch.Tensor`s on ``sim:N`` and its parameters plain
 `nn.Parameter`s; one C++ kernel serves every op (op profile, precision, same-device rule, the CPU
 kernel on the same memory). Autograd and training on every ``sim:N`` (a native device guard),
-``torch.accelerator`` memory statistics and ``torch.sim.memory_allocated``-style accounting with a
+the ``sim`` c10d backend (``distributed``: DDP, DeviceMesh, DTensor, FSDP2, tensor parallel, functional
+collectives, under the collective settings), ``torch.accelerator`` memory statistics and ``torch.sim.memory_allocated``-style accounting with a
 simulated memory size (``memory``), streams and events (``streams``), storages and data pointers
 shared by views (``safetensors``/``save_pretrained``, ``torch.save``/``torch.load(map_location="sim")``),
 ``Module.to`` keeping parameters (and tied weights) as on any device, ``torch.compile`` with the
@@ -69,8 +73,8 @@ Only one backend can own PrivateUse1 in a process, so sim is loaded only when as
 import (the harness does it only for a ``sim`` target), or at ``import torch`` through the
 ``torch.backends`` entry point when ``PORTHARNESS_SIM_AUTOLOAD=1`` is set.
 
-This package depends only on torch (and, once, a C++ compiler to build `native`); nothing here knows
-about the harness runner.
+This package depends only on torch and `harness.comms` (torch only; and, once, a C++ compiler to build
+`native`); nothing here knows about the harness runner.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ def _register() -> None:
         common.init_backend_registration.cache_clear()
     _printable()
     _registered = True
+    from . import distributed  # noqa: F401  the "sim" c10d backend: init_device_mesh("sim") picks it
 
 
 

@@ -77,8 +77,14 @@ def is_available() -> bool:
     return True
 
 
+_selected = False  # set_device or device() ran in this process
+
+
 def is_initialized() -> bool:
-    return True
+    """Whether this process has used sim yet (selected a device or allocated on one), as
+    `torch.cuda.is_initialized` says whether CUDA has a context: DeviceMesh binds each rank to its
+    device (``LOCAL_RANK``) only while this is False, respecting a device the user chose first."""
+    return _selected or _ext.current_device() != 0 or any(_ext.stats(i)[2] > 0 for i in range(device_count()))
 
 
 def _is_in_bad_fork() -> bool:
@@ -86,14 +92,18 @@ def _is_in_bad_fork() -> bool:
 
 
 def set_device(device: torch.device | str | int) -> None:
+    global _selected
     _ext.set_device(_index_of(device))
+    _selected = True
 
 
 @contextmanager
 def device(dev: torch.device | str | int) -> Iterator[None]:
     """Make `dev` the current sim device inside the block (like `torch.cuda.device`)."""
+    global _selected
     prev = _ext.current_device()
     _ext.set_device(_index_of(dev))
+    _selected = True
     try:
         yield
     finally:

@@ -5,9 +5,10 @@ dispatch key PrivateUse1 and storage from sim's `c10::DeviceAllocator` (host mem
 simulated device), and one boxed kernel serves every op (``csrc/kernel.cpp``; ``csrc/dispatch.h``
 maps the other files, one per concept). What only C++ can give: a device guard that knows more than one device (torch's Python guard hard-codes one, and the
 autograd engine sizes its per-device queues from it), the allocator that ``torch.accelerator``'s
-memory API wants, and a dispatch path that costs no Python call per op. Python is called back only
-where a switch needs it (an injected fault); planted numerics bugs and autocast register their own
-kernels.
+memory API wants, a dispatch path that costs no Python call per op, and a c10d ``Backend`` (torch
+cannot make one in Python, and only a group with one has the name DeviceMesh looks it up by). Python is
+called back only where a switch needs it (an injected fault) and to plan each collective; planted
+numerics bugs and autocast register their own kernels.
 
 Build: `torch.utils.cpp_extension` supplies the compiler (``$CXX`` or ``c++``), include and library
 paths and pybind11's ABI flags. The sources compile in parallel, then link. The library lands in

@@ -47,6 +47,10 @@ int device_arg(int dev) {
 
 }  // namespace
 
+namespace sim {
+void bind_backend(pybind11::module_& m);  // backend.cpp: the c10d backend
+}  // namespace sim
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sim's native backend (harness/sim/csrc)";
   m.def("register", [] {
@@ -94,4 +98,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     END_HANDLE_TH_ERRORS_PYBIND
   });
   m.def("generator", [](int dev) { return sim::generator(device_arg(dev)); });
+  sim::bind_backend(m);
 }
