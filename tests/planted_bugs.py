@@ -8,6 +8,8 @@ lives in sim's kernels where the op check sees it directly):
   result scaled by (1 + EPS): a normalization layer slightly off, the size of bf16 rounding or below.
 - ``PLANTED_BUG=kv_cache:EPS:STEP``: transformers' KV cache layers, on any non-CPU device, store the
   values of decoding step STEP and later scaled by (1 + EPS) (step 0 is the prompt's forward).
+- ``PLANTED_RANK=R`` beside any of them: planted only in the process of rank R (``RANK``) of a parallel step:
+  a bug in one chip's shard of the work.
 - ``PLANTED_BUG=at_highest:segv`` / ``at_highest:hang``: `layer_norm` on a sim device at sim's highest
   precision (read through sim's public API, as a vendor's extension would) kills its process with SIGSEGV,
   or never returns: a kernel that fails only at full precision.
@@ -85,5 +87,5 @@ def plant(spec: str) -> Callable[[], None]:
     raise ValueError(f"PLANTED_BUG={spec!r}: layer_norm:EPS, kv_cache:EPS:STEP or at_highest:segv|hang")
 
 
-if os.environ.get("PLANTED_BUG"):
+if os.environ.get("PLANTED_BUG") and os.environ.get("PLANTED_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
     plant(os.environ["PLANTED_BUG"])

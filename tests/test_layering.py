@@ -20,6 +20,7 @@ STAGES: list[tuple[str, ...]] = [
     ("analysis", "console"),
     ("run",),
     ("ops",),
+    ("parallel",),
     ("report",),
     ("fleet",),
     ("bench",),

@@ -29,8 +29,9 @@ _entry_points_loaded = False
 
 
 def device_type(target: str) -> str:
-    """`cuda:1` -> `cuda` (no torch import: the CLI validates before paying for one)."""
-    return target.split(":", 1)[0].strip()
+    """`cuda:1` -> `cuda`, and a --parallel group `sim:0+sim:1` -> `sim` (no torch import: the CLI validates
+    before paying for one)."""
+    return target.split("+", 1)[0].split(":", 1)[0].strip()
 
 
 def register_adapter(kind: str, adapter: type[Adapter]) -> None:

@@ -72,6 +72,7 @@ class Adapter:
         """Make the device type usable in this process (import/register the backend). Idempotent."""
 
     more_devices_hint = ""  # how to get more devices, for the out-of-range message
+    ranks_share_device = False  # --parallel: several ranks may run on one device (the CPU: one per core)
 
     def dist_backend(self) -> str:
         """The c10d backend for this device type's tensors (``dist.init_process_group(name)``): the one its
@@ -146,7 +147,8 @@ class Adapter:
             )
         for key in out:
             if key not in ("precision", "attn", "declared_precision", "op_check", "dtype", "oracle_max_params",
-                           "mode", "new_tokens", "cache", "compile", "dynamic", "amp", "confirm", *self.options):
+                           "mode", "new_tokens", "cache", "compile", "dynamic", "amp", "confirm", "parallel",
+                           "dist_backend", *self.options):
                 raise UnsupportedSetting(key, self.kind)
         if "amp" in out:
             import torch
@@ -168,7 +170,8 @@ class Adapter:
         those only the target run sees (the matmul precision `apply` sets around it, the op check, --compile;
         the declared contract, --amp's included, enters the key on its own). A backend's own options stay in:
         an adapter that knows they touch only its device says so by overriding this."""
-        target_only = ("precision", "op_check", "declared_precision", "compile", "dynamic", "confirm")
+        target_only = ("precision", "op_check", "declared_precision", "compile", "dynamic", "confirm", "parallel",
+                       "dist_backend")
         return {k: v for k, v in settings.items() if k not in target_only}
 
     def confirm_settings(self, settings: dict[str, Any]) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ from harness.backends.base import Adapter
 
 
 class CpuAdapter(Adapter):
+    ranks_share_device = True  # the gloo control of --parallel: N ranks on one host's cores
     def device_count(self) -> int:
         return 1
 

@@ -97,7 +97,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
     config = _run_config(args, jobs=n_jobs, retries=args.retries, spare=args.spare,
                          quarantine_after=args.quarantine_after, progress=not args.quiet, executor=args.executor,
                          ray_address=args.ray_address)
-    for key, flag in (("compile", "--compile"), ("amp", "--amp"), ("perf", "--perf")):
+    for key, flag in (("compile", "--compile"), ("amp", "--amp"), ("perf", "--perf"), ("parallel", "--parallel")):
         if key in config.settings or (key == "perf" and args.perf):
             raise ValueError(f"{flag}: ops runs each kernel alone, eagerly; {flag} applies to whole models (use run)")
     only = [t for t in (args.only or "").split(",") if t.strip()]

@@ -110,6 +110,14 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--perf-budget", dest="perf_budget", type=float, default=None, metavar="SECONDS",
                    help="with --perf: at most SECONDS of timed rounds per model, after warm-up (default 1; at least "
                         "5 rounds; fewer seconds once the compared ratio's interval is tight)")
+    p.add_argument("--parallel", default=None, metavar="SPEC",
+                   help="spread each model over several devices, one process per device: ddp:N, fsdp:N (FSDP2), "
+                        "tp:N (the model's tensor-parallel plan) or fsdp:N,tp:M; every rank fed the whole batch, the "
+                        "outputs (and gradients) judged against the single-device CPU reference (part of the run's "
+                        "identity)")
+    p.add_argument("--dist-backend", dest="dist_backend", default=None, metavar="NAME",
+                   help="with --parallel: the c10d backend of the target's process groups (default: the one its "
+                        "backend registered for the device type, e.g. sim's, nccl for cuda, gloo for cpu)")
     _config_options(p)
     _backend_option(p)
 

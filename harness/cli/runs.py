@@ -70,7 +70,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
         adapter, _ = resolve_target(args.target)
     options = {"precision": args.precision}
     for key in ("ops", "attn", "fault", "fallback", "declared_precision", "numerics", "oracle_max_params", "slow_ops",
-                "compile", "amp", "compiler_bug"):
+                "compile", "amp", "compiler_bug", "dist_backend"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.dynamic:
@@ -84,6 +84,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
         options["op_check"] = args.op_check  # a different rule judged the run: part of its identity
     if args.confirm == "off":
         options["confirm"] = "off"  # pass_declared rows not confirmed: part of its identity
+    options.update(_parallel_options(args, adapter))
     from harness.run.compiled import check
 
     check(options)  # --compile, --dynamic, --amp: before the backend's own checks read them
@@ -102,6 +103,41 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
                        perf=args.perf, **given, **overrides)
     config.validate()
     return config
+
+
+def _tp_models(text: str, entries: list[Any], list_name: str) -> None:
+    """ValueError when a tensor-parallel spec meets a list none of whose models has a plan (each would be a
+    skipped row: say so once instead)."""
+    from harness.parallel.spec import parse
+    from harness.parallel.wrap import planless
+
+    if entries and parse(text).tp:
+        without, unknown = planless(entries)
+        if len(without) == len(entries):
+            raise ValueError(f"--parallel {text}: none of the {len(entries)} model(s) of {list_name} declares a "
+                             f"tensor-parallel plan (base_model_tp_plan), e.g. {', '.join(without[:3])}: nothing to "
+                             "shard by; use ddp:N or fsdp:N, or a list of families that have one")
+
+
+def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
+    """--parallel (canonical: one spelling per identity) and --dist-backend, checked before anything runs: a
+    spec that reads, a target with a process-group backend, and what --parallel cannot run beside yet."""
+    if args.parallel is None:
+        if args.dist_backend is not None:
+            raise ValueError(f"--dist-backend {args.dist_backend}: only with --parallel (the ranks' process groups)")
+        return {}
+    from harness.parallel.spec import parse
+
+    spec = parse(args.parallel)
+    for given, flag in ((getattr(args, "compile", None), "--compile"), (args.perf, "--perf"),
+                        (getattr(args, "executor", "local") != "local", "--executor ray"),
+                        (getattr(args, "harvest", False), "--harvest")):
+        if given:
+            raise ValueError(f"--parallel {spec}: not with {flag} yet (the parallel step runs eagerly, on this host's "
+                             "devices)")
+    if args.dist_backend is None:
+        adapter.dist_backend()  # ValueError when the target's device type has no c10d backend
+    return {"parallel": str(spec)}
 
 
 # Options that act only beside another (option, the one it needs, what it is): refused alone, as --dynamic,
@@ -217,6 +253,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         wanted = set(args.only.split(","))
         entries = [e for e in entries if e.id in wanted or e.arch in wanted]
     entries = shard(entries, args.shard)
+    if args.parallel is not None:
+        _tp_models(args.parallel, entries, args.list)
     if args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be >= 0 (0: no limit)")
     if args.limit:

@@ -114,8 +114,13 @@ def fleet_for(config: RunConfig) -> policy.Fleet:
     this host's, or every node's of a cluster (named `<node>/<device>`)."""
     config.validate()
     load_backends(config.backends)
-    found = executor_for(config.executor).devices(config.target, config.ray_address)
-    return policy.Fleet(*policy.split_devices(list(config.devices or found), config.spare),
+    found = list(config.devices or executor_for(config.executor).devices(config.target, config.ray_address))
+    if config.settings.get("parallel"):  # a model's ranks take a group of devices, one each: the fleet's slots
+        from harness.parallel.spec import groups, parse
+
+        found = groups(found, parse(config.settings["parallel"]).world,
+                       shared=adapter_for(config.target).ranks_share_device)
+    return policy.Fleet(*policy.split_devices(found, config.spare),
                         quarantine_after=config.quarantine_after, retries=config.retries)
 
 
@@ -399,7 +404,8 @@ class _Run:
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
                     perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
                     quiet_lock=self.quiet_lock, quiet_wait_s=min(30.0, self.cfg.timeout_s / 4),
-                    kind=self.kind, variation=dict(self.variations.get(job.id, {})), harvest=self.cfg.harvest)
+                    kind=self.kind, variation=dict(self.variations.get(job.id, {})), harvest=self.cfg.harvest,
+                    timeout_s=self.cfg.timeout_s)
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

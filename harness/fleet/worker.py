@@ -89,6 +89,15 @@ def _dispatch(task: Task, on_phase: Callable[[str], None]) -> Measurement:
         from harness.ops.harvest import Harvest
 
         return run_one(task, on_phase, recorder=Harvest)
+    if task.settings.get("parallel"):
+        from harness.parallel.launch import for_task
+
+        parallel = for_task(task.settings, task.target, task.backends, deadline_s=0.8 * task.timeout_s, env={})
+        try:
+            return run_one(task, on_phase, parallel=parallel)
+        finally:
+            if parallel is not None:
+                parallel.close()
     return run_one(task, on_phase)
 
 

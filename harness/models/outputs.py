@@ -19,6 +19,13 @@ def output_tensors(outputs: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return flat
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached on the CPU, whole: a DTensor (a sharded model's parameter, gradient or output under
+    --parallel) is gathered first, on every rank alike (a collective)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if callable(full) else t).detach().cpu()
+
+
 def needs_exact(tensor: torch.Tensor) -> bool:
     """True for integer/bool tensors, which must match bit-for-bit rather than within tolerance."""
     return not (tensor.is_floating_point() or tensor.is_complex())

@@ -43,6 +43,7 @@ class Task:
     # (harness.ops.harvest); "variation": one op variation on the target (harness.ops.variation)
     variation: dict = field(default_factory=dict)  # kind "variation": its signature (entry["id"] is its id)
     harvest: bool = False  # kind "model": also record the reference step's op calls (run --harvest)
+    timeout_s: float = 600.0  # the job's --timeout: a parallel step's ranks are stopped before it
 
 
 class Stop(Exception):
@@ -90,6 +91,7 @@ class ModelRun:
     keep_cpu: bool = False  # the CPU model stays on the CPU (the target gets a copy)
     small: bool = True  # a copy of the model fits beside it (harness.run.oracle.COPY_MAX_PARAMS)
     localizes: bool = False  # a drift is localized to a module (small models, eager, a mode that names modules)
+    parallel: Any = None  # --parallel: the ranks' target side (harness.parallel.launch.Parallel, the worker's)
     recorder: Any = None  # run --harvest: a dispatch mode recording the reference step's op calls
     # (harness.ops.harvest.Harvest, handed in by the worker); the reference's first run runs under it
 

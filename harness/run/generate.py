@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from harness.models.outputs import on_host
 from harness.results.rows import output_step, step_output
 from harness.run.compare import _multiplier  # the rule's m (3 for small or half-precision outputs, else 2)
 
@@ -115,7 +116,7 @@ def decode(model: torch.nn.Module, inputs: dict[str, Any], new_tokens: int, cach
         for h in handles:
             h.remove()
     logits = next((steps for steps in seen.values() if steps), [])
-    tokens = result.sequences[:, -new_tokens:].detach().cpu()
+    tokens = on_host(result.sequences[:, -new_tokens:])
     if tokens.shape[1] != new_tokens or len(logits) != new_tokens:
         raise RuntimeError(f"generate() decoded {tokens.shape[1]} tokens in {len(logits)} forwards, "
                            f"expected {new_tokens} of each")
@@ -132,7 +133,7 @@ def _recorder(into: list[torch.Tensor]) -> Callable[..., None]:
     def hook(_module: Any, _args: Any, output: Any) -> None:
         out = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
         if isinstance(out, torch.Tensor):
-            into.append(out[:, -1].detach().cpu())
+            into.append(on_host(out[:, -1]))
 
     return hook
 

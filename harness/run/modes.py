@@ -31,7 +31,7 @@ import torch
 
 from harness.backends.contracts import autocast_region
 from harness.models.labels import make_labels
-from harness.models.outputs import output_tensors
+from harness.models.outputs import on_host, output_tensors
 from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS, generate
 from harness.run.compare import Comparison, Tolerance
 from harness.run.train import (
@@ -79,7 +79,7 @@ def forward(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, torch.T
     """One forward without gradients (under autocast when the run asks for it): every float output, on the CPU."""
     with torch.no_grad(), autocast_region(step_device(model, inputs)):
         out = model(**inputs)
-    return {k: v.detach().cpu() for k, v in output_tensors(out).items()}
+    return {k: on_host(v) for k, v in output_tensors(out).items()}
 
 
 class Mode:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 
 from harness import phases
 from harness.backends import adapter_for
+from harness.backends.base import OpCensus
 from harness.backends.contracts import Emulate, amp, autocast_region, contract, with_amp
 from harness.models.model_list import ModelEntry
 from harness.outcomes import BEYOND
@@ -49,6 +50,7 @@ from harness.run.reference import reference_side
 from harness.run.target import TargetSide, census_fields, target_side, to_device
 from harness.run.variants import FOLLOW_UPS, Variant, first_variant
 from harness.verdict import KEPT, StepEvidence, kernel_message
+from harness.verdict import reference as reference_outcome
 from harness.verdict import step as decide
 
 OP_SAMPLE = 2  # calls judged per op signature when the op check samples
@@ -57,11 +59,12 @@ __all__ = ["Task", "run_one"]
 
 
 def run_one(task: Task, on_phase: Callable[[str], None] | None = None,
-            recorder: Callable[[], Any] | None = None) -> Measurement:
+            recorder: Callable[[], Any] | None = None, parallel: Any = None) -> Measurement:
     """Run one model end to end; never raises for model problems. `on_phase(name)` hears each phase
     start (the worker tells the supervisor, whose time budget differs for loading). `recorder()` makes a
     dispatch mode that records the reference step's op calls into the row's `harvest` (run --harvest:
-    `harness.ops.harvest.Harvest`, a later stage, handed in by the worker)."""
+    `harness.ops.harvest.Harvest`, a later stage, handed in by the worker). `parallel`: the target side of a
+    model spread over several devices (--parallel: `harness.parallel.launch.Parallel`, handed in likewise)."""
     entry = ModelEntry(**task.entry) if isinstance(task.entry, dict) else task.entry
     tol = Tolerance(
         tol=entry.atol if entry.atol is not None else Tolerance.tol,
@@ -70,7 +73,7 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None,
     )
     t_start = time.perf_counter()
     with PhaseClock(on_phase) as clock:
-        fields = _pipeline(entry, task, tol, clock, recorder)
+        fields = _pipeline(entry, task, tol, clock, recorder, parallel)
     return Measurement(
         model_id=entry.id,
         device=task.target,
@@ -86,11 +89,11 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None,
 
 
 def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock,
-              recorder: Callable[[], Any] | None = None) -> dict[str, Any]:
+              recorder: Callable[[], Any] | None = None, parallel: Any = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     after: list[Callable[[], dict[str, Any]]] = []
     try:
-        _phases(entry, task, tol, clock, out, after, recorder)
+        _phases(entry, task, tol, clock, out, after, recorder, parallel)
     except Stop as stop:
         return {**out, **stop.fields}
     if after:  # the verdict is complete: a worker that dies timing the step keeps it
@@ -102,7 +105,8 @@ def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock,
 
 
 def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any],
-            after: list[Callable[[], dict[str, Any]]], recorder: Callable[[], Any] | None = None) -> None:
+            after: list[Callable[[], dict[str, Any]]], recorder: Callable[[], Any] | None = None,
+            parallel: Any = None) -> None:
     """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
     the verdict goes into `after`."""
     adapter = adapter_for(task.target)
@@ -112,12 +116,15 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
             loaded, inputs = load(entry, task)
         except Exception as e:  # LoadError, or inputs/construction failing: "could not load this model"
             raise Stop(classify_exception(e, adapter, "load")) from None
+    if parallel is not None and (why := parallel.skip(loaded.config)):
+        raise Stop({"outcome": reference_outcome(applies=False), "error_message": why})
 
     declared = contract(with_amp(adapter.declared_precision(task.settings), Configuration.of(task.settings).amp))
     if declared.amp is not None:
         tol = replace(tol, amp_eps=torch.finfo(declared.amp).eps)
     run = ModelRun(entry, task, mode, adapter, clock, loaded, inputs, declared, tol)
     run.recorder = recorder() if recorder is not None else None
+    run.parallel = parallel
     run.side = side = reference_side(run, RefCache(task.ref_cache) if task.ref_cache else None)
     out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
     out.update(side.fields)
@@ -129,8 +136,9 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     # reference side needs no CPU copy for localization: the rare drift rebuilds it (`ModelRun.cpu_models`).
     params = n_params(run.model)
     run.small = params <= COPY_MAX_PARAMS
-    run.localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
-    run.keep_cpu = mode.keeps_cpu_model or (
+    run.localizes = (task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
+                     and parallel is None)  # module outputs on the ranks: not yet
+    run.keep_cpu = mode.keeps_cpu_model or parallel is not None or (  # the ranks load what the CPU model is
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
 
     judged = first_variant(run)
@@ -189,8 +197,9 @@ def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str,
     with own, compiling(variant.cfg, cache, clock.announce, lambda: clock.current) as watch:
         try:
             with clock.phase(variant.phase) if variant.first else contextlib.nullcontext():
-                target = target_side(run, variant, _op_check(run, variant), watch=watch)
-            fields.update(target.compile_fields)
+                target = (target_side(run, variant, _op_check(run, variant), watch=watch) if run.parallel is None
+                          else _parallel_side(run, variant))
+            fields.update(target.row)
             if variant.timed and after is not None:
                 after.append(_perf(run, target, variant))
             _verdict(run, variant, target, fields)
@@ -250,6 +259,8 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
     elif not beyond:
         messages.append(f"outputs within the {'fp32' if verdict.ok else 'declared'} envelope")
     messages += mode.explain(out, kernel, verdict, "fp32" if declared.exact else "declared")
+    if run.parallel is not None and run.parallel.note:  # which rank, before or after the collectives
+        messages.append(run.parallel.note)
     out["error_message"] = "; ".join(messages)
     if run.localizes and variant.localize:
         with clock.phase(phases.LOCALIZE) if variant.first else contextlib.nullcontext():
@@ -287,12 +298,23 @@ def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], d
                                  run.task.perf_budget_s, compiled=variant.cfg.compiled)
 
 
+def _parallel_side(run: ModelRun, variant: Variant) -> TargetSide:
+    """The step on every rank of the group (`harness.parallel.launch`, handed in by the worker): its outputs as a
+    target side's; a rank that fails stops the row (`Stop`) with its fields, the rank named."""
+    assert run.side is not None
+    t0 = time.perf_counter()
+    out = run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
+                           seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref)
+    return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None,
+                      row={"parallel": run.parallel.fields()})
+
+
 def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:
     """The op check for this run of the target (compiled: the graph check, which takes its place): every call
     for small models (and `all`), the first calls of each signature for real checkpoints (a 24-layer model
     repeats each kernel 24 times)."""
     how = run.settings.get("op_check", "auto")
-    if how == "off" or not variant.op_check:
+    if how == "off" or not variant.op_check or run.parallel is not None:
         return None
     sampled = how == "sampled" or (how == "auto" and not run.small)
     return OpCheck(torch.device(run.device).type, variant.declared, per_signature=OP_SAMPLE if sampled else None)

@@ -46,7 +46,7 @@ class TargetSide:
     census: OpCensus
     op_check: Any  # the op check (an OpCheck; compiled: the graph check's), None when off or it could not run
     extra: Any = None  # the plan's extra run's result (None: it has none)
-    compile_fields: dict[str, Any] = field(default_factory=dict)  # CompileWatch's, when compiled
+    row: dict[str, Any] = field(default_factory=dict)  # row fields it measured: CompileWatch's, a parallel run's ranks
 
 
 def census_fields(census: OpCensus) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from harness.backends.contracts import amp_dtype, autocast_region
-from harness.models.outputs import output_tensors
+from harness.models.outputs import on_host, output_tensors
 
 LR = 1e-3
 MOMENTUM = 0.9
@@ -127,9 +127,9 @@ def train_step(model: torch.nn.Module, inputs: dict[str, Any], *, model_loss: bo
                 out = model(**inputs)
                 loss = _loss(out, model_loss, seed)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        result = {"loss": loss.detach().cpu()}
+        result = {"loss": on_host(loss)}
         if scaler is None:
-            result.update({f"grad/{n}": p.grad.detach().cpu() for n, p in params if p.grad is not None})
+            result.update({f"grad/{n}": on_host(p.grad) for n, p in params if p.grad is not None})
         scaled = {n: p.grad.detach().clone() for n, p in params if p.grad is not None} if scaler is not None else {}
         with torch.no_grad():
             for i, name in enumerate(OPTIMIZERS):
@@ -141,13 +141,13 @@ def train_step(model: torch.nn.Module, inputs: dict[str, Any], *, model_loss: bo
                         p.grad = scaled[n].clone() if n in scaled else None
                     scaler.unscale_(opt)
                     if i == 0:
-                        grads = {n: p.grad.detach().cpu() for n, p in params if p.grad is not None}
+                        grads = {n: on_host(p.grad) for n, p in params if p.grad is not None}
                         result.update({f"grad/{n}": g for n, g in grads.items()})
                         finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
                         result[SKIPPED] = torch.tensor(0 if finite else 1)
                     scaler.step(opt)
                 for (n, p), p0 in zip(params, start, strict=True):
-                    result[f"{name}/{n}"] = (p.detach() - p0).cpu()
+                    result[f"{name}/{n}"] = on_host(p.detach() - p0)
                     p.copy_(p0)
     finally:  # also when a step fails half-way (under the op check): later runs start from the same point
         model.zero_grad(set_to_none=True)

@@ -65,7 +65,8 @@ def first_variant(run: ModelRun) -> Variant:
     module hooks, which would change what is compiled)."""
     cfg = Configuration.of(run.settings)
     name = f"compiled ({cfg.label()})" if cfg.compiled else "eager"
-    return Variant(name, phases.TARGET, run.settings, cfg, run.declared, localize=not cfg.compiled, timed=run.task.perf)
+    return Variant(name, phases.TARGET, run.settings, cfg, run.declared, localize=not cfg.compiled,
+                   timed=run.task.perf and run.parallel is None)
 
 
 Rerun = Callable[[Variant], dict[str, Any]]  # the pipeline's one path: a variant run and judged, its row fields

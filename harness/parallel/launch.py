@@ -1,0 +1,256 @@
+"""The worker's side of a model's parallel step: write the job, start one process per device, supervise them.
+
+`Parallel` is handed to the pipeline by the worker (`harness.run.pipeline.run_one(parallel=...)`), as the
+harvest's recorder is: the pipeline computes the reference side as for one device, then asks it for the target
+side of each variant it runs (the step as the settings name it, its confirmation at full precision). It
+saves the model and the inputs once per model, writes each run's job, starts the ranks (`rank.py`) on the
+group's devices with the run's environment, each killed with the worker should the worker die (the kernel's
+parent-death signal), and waits:
+
+- every rank done: their outputs, the rank furthest from the CPU reference's kept as the target's (replicated
+  data: every rank's outputs should be one device's; a rank whose own outputs differ is named, the drift
+  being before the collectives on that rank; ranks that agree with each other and drift together drift in
+  the reduced result);
+- a rank failed: the first to fail is the row's failure (its error as attribution read it on the rank: an
+  op the device lacks is ``unsupported_op``, a device fault ``device_error``; a rank killed by a signal is a
+  ``crash``), named with its rank, device and phase; the other ranks are stopped, never left waiting;
+- a rank hangs: its peers fail at the collective timeout, or the job's deadline passes: the ranks still
+  running are named with the phase they were in, and every rank is stopped (``timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness import verdict
+from harness.parallel.spec import ParallelSpec, members, parse
+from harness.parallel.wrap import tp_plan
+from harness.run.context import Stop
+
+POLL_S = 0.05
+GRACE_S = 5.0  # after the first rank fails: the others' own errors (a peer died) arrive, then they are stopped
+
+
+def _die_with_parent() -> None:  # in the rank, before exec: SIGKILL when the worker goes (kill -9 included)
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+class Parallel:
+    """One model's parallel target side, on the group `devices` (one rank each)."""
+
+    def __init__(self, spec: str, devices: list[str], *, backends: list[str], dist_backend: str,
+                 deadline_s: float, env: dict[str, str] | None = None) -> None:
+        self.spec: ParallelSpec = parse(spec)
+        self.devices = list(devices)
+        if len(self.devices) != self.spec.world:
+            raise ValueError(f"--parallel {spec}: {self.spec.world} ranks, {len(self.devices)} device(s) given")
+        self.backends, self.dist_backend, self.deadline_s = list(backends), dist_backend, deadline_s
+        self.env = dict(env or {})
+        self.dir = Path(tempfile.mkdtemp(prefix="portharness-parallel-"))
+        self.saved = False
+        self.runs = 0
+        self.ranks: list[dict[str, Any]] = []  # the last run's per-rank record (the row's `parallel`)
+        self.note = ""
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def skip(self, config: Any) -> str:
+        """Why this spec does not apply to a model ("" : it does): tensor parallel needs the family's plan."""
+        if self.spec.tp and not tp_plan(config):
+            return (f"--parallel {self.spec}: {type(config).__name__} declares no tensor-parallel plan "
+                    "(base_model_tp_plan): nothing to shard by")
+        return ""
+
+    def fields(self) -> dict[str, Any]:
+        """The row's `parallel`: the spec, the mesh, each rank's device, phase and times."""
+        return {"spec": str(self.spec), "mesh": dict(zip(self.spec.mesh_names, self.spec.mesh_shape, strict=True)),
+                "ranks": self.ranks, **({"note": self.note} if self.note else {})}
+
+    # -- one run of the step ------------------------------------------------------------------------
+
+    def run(self, *, model: torch.nn.Module, entry: dict[str, Any], inputs: dict[str, Any], settings: dict[str, Any],
+            seed: int, fields: dict[str, Any], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step on every rank; the outputs judged (see the module docstring). A rank that fails or hangs stops
+        the row (`Stop`) with its fields, the rank named."""
+        if not self.saved:
+            model.save_pretrained(self.dir / "model")
+            torch.save(inputs, self.dir / "inputs.pt")
+            self.saved = True
+        self.runs += 1
+        job_dir = self.dir / f"run{self.runs}"
+        job_dir.mkdir()
+        (job_dir / "model").symlink_to(self.dir / "model")
+        shutil.copy(self.dir / "inputs.pt", job_dir / "inputs.pt")
+        cls = type(model)
+        job = {"dir": str(job_dir), "entry": entry, "model_class": f"{cls.__module__}:{cls.__qualname__}",
+               "settings": settings, "seed": seed, "fields": fields, "spec": str(self.spec), "devices": self.devices,
+               "dist_backend": self.dist_backend, "backends": self.backends,
+               "timeout_s": max(5.0, min(120.0, self.deadline_s / 3))}
+        (job_dir / "job.json").write_text(json.dumps(job, default=str))
+        procs = self._start(job_dir)
+        try:
+            self._wait(job_dir, procs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait(timeout=30)
+        outs = [torch.load(job_dir / f"rank{r}.out.pt", weights_only=False) for r in range(len(procs))]
+        return self._judged(outs, reference)
+
+    def _start(self, job_dir: Path) -> list[subprocess.Popen]:
+        procs = []
+        for rank, device in enumerate(self.devices):
+            index = device.partition(":")[2] or "0"
+            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.spec.world),
+                   "LOCAL_RANK": index, "LOCAL_WORLD_SIZE": str(self.spec.world), "MASTER_ADDR": "127.0.0.1"}
+            log = open(job_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - the child holds it
+            procs.append(subprocess.Popen([sys.executable, "-m", "harness.parallel.rank", str(job_dir)], env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
+            log.close()
+            self.ranks.append({"rank": rank, "device": device})
+        self.ranks = self.ranks[-len(procs):]
+        return procs
+
+    def _status(self, job_dir: Path, rank: int) -> str:
+        try:
+            return (job_dir / f"rank{rank}.status").read_text().strip()
+        except OSError:
+            return "start"
+
+    def _wait(self, job_dir: Path, procs: list[subprocess.Popen]) -> None:
+        t0 = time.monotonic()
+        first: int | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes):
+                break
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed and first is None:
+                first = failed[0]
+                failed_at = time.monotonic()
+            if first is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_S):
+                raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
+            if time.monotonic() - t0 > self.deadline_s:
+                hung = [r for r, c in enumerate(codes) if c is None]
+                raise Stop({**self._hang(job_dir, hung), "parallel": self.fields()})
+            time.sleep(POLL_S)
+        for r in range(len(procs)):
+            self.ranks[r]["phase"] = self._status(job_dir, r)
+            try:
+                self.ranks[r].update(json.loads((job_dir / f"rank{r}.info.json").read_text()))
+            except (OSError, ValueError):
+                pass
+
+    def _failure(self, job_dir: Path, procs: list[subprocess.Popen], first: int) -> dict[str, Any]:
+        """The row's fields for a group whose rank `first` failed first (a rank still running then hung)."""
+        for r in range(len(procs)):
+            self.ranks[r]["phase"] = self._status(job_dir, r)
+        running = [r for r, p in enumerate(procs) if p.poll() is None]
+        err = self._error(job_dir, first)
+        if running and _waited(err):  # its peers gave up on a rank that never came: that rank is the culprit
+            return self._hang(job_dir, running, because=f"rank {first} gave up waiting: {err.get('error_message', '')[:300]}")
+        where = self._rank(first, job_dir)
+        code = procs[first].returncode
+        if err:
+            return {**err, "error_message": f"{where}: {err.get('error_message', '')}"[:2000]}
+        sig = -code if code is not None and code < 0 else None
+        name = signal.Signals(sig).name if sig else f"exit code {code}"
+        outcome = verdict.death(verdict.DeathEvidence(self._status(job_dir, first), None, sig))
+        return {"outcome": outcome, "error_type": "RankDied", "signal": sig,
+                "error_message": f"{where} died: {name}; the other ranks were stopped",
+                "traceback": _tail(job_dir / f"rank{first}.log")}
+
+    def _hang(self, job_dir: Path, hung: list[int], because: str = "") -> dict[str, Any]:
+        for r in range(len(self.ranks)):
+            self.ranks[r]["phase"] = self._status(job_dir, r)
+        names = "; ".join(self._rank(r, job_dir) for r in hung)
+        return {"outcome": verdict.death(verdict.DeathEvidence("target", "timeout")), "error_type": "RankHung",
+                "error_message": (f"{names} did not finish ({because or f'no result within {self.deadline_s:.0f}s'});"
+                                  " every rank was stopped")[:2000]}
+
+    def _rank(self, r: int, job_dir: Path) -> str:
+        return f"rank {r} ({self.devices[r]}, in phase {self._status(job_dir, r)})"
+
+    @staticmethod
+    def _error(job_dir: Path, rank: int) -> dict[str, Any]:
+        try:
+            return json.loads((job_dir / f"rank{rank}.error.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _judged(self, outs: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The outputs the row is judged by: the rank furthest from the CPU reference, naming any rank whose
+        outputs differ from the others' (replicated data: they should agree)."""
+        gaps = [_gap(o, reference) for o in outs]
+        differ = [r for r in range(1, len(outs)) if not _same(outs[r], outs[0])]
+        worst = max(range(len(outs)), key=lambda r: gaps[r])
+        for r, g in enumerate(gaps):
+            self.ranks[r]["max_rel_from_reference"] = g
+        if differ:
+            self.note = (f"ranks' outputs differ ({', '.join(f'rank {r}' for r in [0, *differ])}): the drift is before "
+                         f"the collectives, on a rank; judged: rank {worst} ({self.devices[worst]}), the furthest from "
+                         "the CPU reference")
+        else:
+            self.note = "every rank's outputs agree: what is judged is the collectives' reduced result"
+        return outs[worst]
+
+
+def _waited(err: dict[str, Any]) -> bool:
+    text = str(err.get("error_message", "")).lower()
+    return any(w in text for w in ("timed out", "timeout", "late or hung", "no peer process died"))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+
+
+def _gap(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference from the reference over the outputs both hold (a ranking, not a verdict)."""
+    worst = 0.0
+    for k, r in ref.items():
+        t = out.get(k)
+        if not isinstance(t, torch.Tensor) or not isinstance(r, torch.Tensor) or t.shape != r.shape:
+            continue
+        if not (t.is_floating_point() and r.is_floating_point()):
+            continue
+        d = (t.double() - r.double()).abs().max().item() / max(r.double().abs().max().item(), 1e-12) if r.numel() else 0.0
+        worst = max(worst, d if d == d else float("inf"))
+    return round(worst, 6)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def for_task(settings: dict[str, Any], target: str, backends: list[str], deadline_s: float,
+             env: dict[str, str]) -> Parallel | None:
+    """The strategy for a task whose settings name a parallel spec (None: one device)."""
+    spec = settings.get("parallel")
+    if not spec:
+        return None
+    from harness.backends import adapter_for
+
+    return Parallel(spec, members(target), backends=backends,
+                    dist_backend=settings.get("dist_backend") or adapter_for(target).dist_backend(),
+                    deadline_s=deadline_s, env=env)
+
+
