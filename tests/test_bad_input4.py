@@ -23,7 +23,7 @@ from harness.results.store import ResultStore
 
 EXACT = ["--precision", "highest", "--ops", "full"]
 ESC = "\x1b[31m"
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+ENV = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
 
 
 def cli(*args: object, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ def results(db: Path, where: str = "1") -> list[dict]:
 
 @pytest.fixture(name="clean_env")
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
 
 
