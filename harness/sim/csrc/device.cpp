@@ -203,7 +203,8 @@ void set_current_device(DeviceIndex index) noexcept { current = index; }
 int check_index(int index) {
   int count = device_count();
   TORCH_CHECK(index >= 0 && index < count, "sim device index ", index, " out of range: ", count,
-              " simulated devices (set PORTHARNESS_SIM_DEVICES to simulate more)");
+              visible_count() >= 0 ? " visible simulated devices (PORTHARNESS_SIM_VISIBLE_DEVICES)" : " simulated devices",
+              " (set PORTHARNESS_SIM_DEVICES to simulate more)");
   return index;
 }
 
