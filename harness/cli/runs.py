@@ -29,10 +29,10 @@ def _workers(executor: Any, jobs: int, fleet: Any, queued: int, asked: int | Non
     adapter = adapter_for(target)
     cap = device_cap(executor, adapter)
     n = workers(jobs, queued, len(fleet.active), cap)
-    held = (f"{adapter.kind}'s devices are exclusive: one process each, {len(fleet.active)} device(s)"
-            if adapter.exclusive and executor.per_device is None else "devices hold")
-    capped = (f" (--jobs {asked}: no more than the {held if n < queued else 'jobs to run'})"
-              if asked is not None and asked > n else "")
+    why = "the jobs to run" if n >= queued else (
+        f"{len(fleet.active)}, one per device: {adapter.kind}'s devices take one process each"
+        if adapter.exclusive and executor.per_device is None else "the devices hold")
+    capped = f" (--jobs {asked}: no more than {why})" if asked is not None and asked > n else ""
     if executor.one_host:
         return f"{n} worker(s){capped}"
     return f"{n} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s){capped}"
