@@ -132,8 +132,11 @@ run_shard() {
   if [[ -n "$LIMIT" ]]; then args+=(--limit "$LIMIT"); fi
   if [[ -n "$RERUN_FLAKY" ]]; then args+=(--rerun-flaky "$RERUN_FLAKY"); fi
   echo "== setting $k (${SETTING_LINES[$((k - 1))]}), shard $i/$SHARDS: $PORTHARNESS ${args[*]}" >&2
+  # concurrent shards on one host: each its own simulated host (sim's devices take one process each)
+  local host="${PORTHARNESS_SIM_NAMESPACE:-}"
+  if [[ "$PARALLEL" == "1" ]]; then host="${host:-nightly-$$}-$k-$i"; fi
   # shellcheck disable=SC2086
-  $PORTHARNESS "${args[@]}" > "${db%.db}.log" 2>&1 || {
+  PORTHARNESS_SIM_NAMESPACE="$host" $PORTHARNESS "${args[@]}" > "${db%.db}.log" 2>&1 || {
     local rc=$?
     echo "setting $k shard $i failed (exit $rc); see ${db%.db}.log" >&2
     tail -20 "${db%.db}.log" >&2

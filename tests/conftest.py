@@ -18,6 +18,19 @@ from harness.outcomes import OUTCOMES
 from harness.results.rows import CollectiveRow, ResultRow, RunInfo
 from harness.results.store import ResultStore
 
+# sim's devices belong to one process each (harness/sim/placement.py). Each test is its own simulated host, so
+# tests side by side (pytest-xdist) never hold each other's devices, nor does this process, which keeps what
+# it used in one test, hold them in the next; environments made at import share this worker's own host.
+_SIM_HOST = f"pytest-{os.getpid()}"
+os.environ["PORTHARNESS_SIM_NAMESPACE"] = _SIM_HOST
+_tests_run = iter(range(1 << 62))
+
+
+@pytest.fixture(autouse=True)
+def _own_sim_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PORTHARNESS_SIM_NAMESPACE", f"{_SIM_HOST}-{next(_tests_run)}")
+
+
 # Share of each outcome in the synthetic runs, roughly what a real zoo night looks like. The dict order
 # is the draw order: changing it changes every seeded DB.
 _OUTCOME_WEIGHTS: dict[str, float] = {
@@ -260,7 +273,7 @@ _MOUNT_DRIVER = r'''
 import hashlib, json, os, subprocess, sys, time
 from pathlib import Path
 
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+ENV = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
 
 
 def cli(*args, env=None, timeout=600):

@@ -26,7 +26,7 @@ PAIRS = [("bert", "base"), ("gpt2", "base"), ("llama", "base"), ("opt", "base")]
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+    base = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**base, **(env or {})})
 
@@ -65,7 +65,7 @@ def test_bad_options_write_nothing_and_resume_finds_the_real_run(tmp_path: Path,
     r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--target", "foo", timeout=120)  # a real process
     assert r.returncode == 2 and "torch knows no device 'foo'" in r.stderr, r.stderr[-1500:]
     assert len(r.stderr.strip().splitlines()) == 1 and digest(db) == before, r.stderr
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
     capsys.readouterr()
     # the rest in this process: each is refused before any worker or row, which the first showed end to end
@@ -386,7 +386,7 @@ def test_out_of_range_values_are_refused_before_any_work(tmp_path: Path, capsys:
     before = digest(db)
     r = cli("run", "--list", str(lst), "--db", str(db), *EXACT, "--seed", "-1", "--quiet")  # a real process
     assert r.returncode == 2 and "--seed -1: must be from 0 to 2**32 - 1" in one_line(r.stderr), r.stderr[-2000:]
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
     capsys.readouterr()
     for bad, message in ((["--seed", "1180591620717411303424"], "--seed 1180591620717411303424: must be from 0"),

@@ -25,7 +25,7 @@ EXACT = ["--precision", "highest", "--ops", "full"]
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+    base = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     return subprocess.run([sys.executable, "-m", "harness.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**base, **(env or {})})
 
@@ -70,7 +70,7 @@ def refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
 
 @pytest.fixture(name="clean_env")
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
 
 

@@ -23,7 +23,7 @@ from harness.results.store import ResultStore
 
 EXACT = ["--precision", "highest", "--ops", "full"]
 ESC = "\x1b[31m"
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+ENV = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
 
 
 def cli(*args: object, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ def results(db: Path, where: str = "1") -> list[dict]:
 
 @pytest.fixture(name="clean_env")
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
 
 
@@ -502,9 +502,12 @@ def test_15_the_banner_says_the_workers_that_run_and_options_by_their_flag(
 
     local, ray = LocalExecutor(), RayExecutor()
     fleet = Fleet(["sim:0", "sim:1"])
-    assert _workers(local, 100000000, fleet, 2, 100000000) == "2 worker(s) (--jobs 100000000: no more than the jobs to run)"
-    assert _workers(local, 2, fleet, 5) == "2 worker(s)"
-    assert _workers(ray, 100000000, Fleet(["a/sim:0", "a/sim:1"]), 5, 100000000) == (
+    assert _workers(local, 100000000, fleet, 2, 100000000, "sim") == (
+        "2 worker(s) (--jobs 100000000: no more than the jobs to run)")
+    assert _workers(local, 2, fleet, 5, None, "sim") == "2 worker(s)"
+    assert _workers(local, 4, fleet, 5, 4, "sim") == (  # sim's devices are exclusive: one worker each
+        "2 worker(s) (--jobs 4: no more than 2, one per device: sim's devices take one process each)")
+    assert _workers(ray, 100000000, Fleet(["a/sim:0", "a/sim:1"]), 5, 100000000, "sim") == (
         "2 ray actor(s) on 1 node(s) (--jobs 100000000: no more than the devices hold)")
     assert workers(0, 5, 2, 1) == 2 and workers(3, 1, 2, None) == 1 and workers(0, 0, 2, 1) == 1
     line = refused(capsys, ["run", "--list", a_list(tmp_path), "--db", tmp_path / "x.db", "--target", "cpu",

@@ -29,7 +29,7 @@ NOBODY = 65534
 
 def cli(*args: str, cwd: Path | None = None, uid: int | None = None, env: dict | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+    base = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
     return subprocess.run([*prefix, sys.executable, "-m", "harness.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**base, **(env or {})}, cwd=cwd)

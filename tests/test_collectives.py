@@ -174,6 +174,8 @@ def _ddp(rank: int, spec: str, ref) -> None:
 
 
 def _worker(rank: int, world: int, workdir: str, specs: list[str], ddp_specs: list[str]) -> None:
+    # more ranks than sim devices, which take one process each: each rank is its own simulated host
+    os.environ["PORTHARNESS_SIM_NAMESPACE"] = f"{os.environ.get('PORTHARNESS_SIM_NAMESPACE', '')}:r{rank}"
     harness.sim.set_op_profile("full")  # DDP needs ops the young profile lacks (see the benchmark note)
     harness.sim.set_precision("highest")  # compare communication, not the bf16 matmul default
     store = dist.FileStore(os.path.join(workdir, "store"), world)

@@ -23,7 +23,7 @@ from harness.run.attribution import AOT, BACKEND, DYNAMO, classify_exception, co
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+    base = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**base, **(env or {})})
 

@@ -133,7 +133,7 @@ def test_autocast_cannot_be_confirmed_and_says_so() -> None:
 def test_a_normalization_bug_the_declared_precision_hides_is_a_drift_named_at_full_precision(tmp_path: Path) -> None:
     lst = tmp_path / "l.csv"
     lst.write_text("id,source,arch,task,modality\ntiny/bert/base,tiny,bert,base,text\n")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")},
+    env = {**{k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE")},
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]), "PLANTED_BUG": "layer_norm:2e-4"}
     rows = {}
     for name, extra in (("hidden", ["--confirm", "off"]), ("highest", ["--precision", "highest"]), ("confirmed", [])):

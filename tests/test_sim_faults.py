@@ -70,7 +70,7 @@ def test_hang_sleeps_for_hang_s():
 
 
 def test_crash_kills_the_process_with_sigsegv():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_SIM_")}
+    env = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_SIM_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     env["PORTHARNESS_SIM_FAULTS"] = "sim:0=crash:1.0"
     r = subprocess.run(
         [

@@ -18,7 +18,7 @@ UNSUPPORTED = r"^Could not run 'aten::roll' with arguments from the 'sim' backen
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_SIM_")}
+    full_env = {k: v for k, v in os.environ.items() if (not k.startswith("PORTHARNESS_SIM_") or k == "PORTHARNESS_SIM_NAMESPACE")}
     full_env.update(env)
     return subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=120

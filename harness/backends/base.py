@@ -35,6 +35,11 @@ MATMUL_PRECISIONS = ("default", "highest", "high", "medium")
 # Device types Ray knows as accelerators: it counts them on each node, assigns one to an actor and makes
 # only that one visible to it (CUDA_VISIBLE_DEVICES, ...). Any other type is a custom resource of its name.
 RAY_ACCELERATORS = {"cuda": "GPU", "xpu": "GPU", "hpu": "HPU", "npu": "NPU", "xla": "TPU", "neuron": "neuron_cores"}
+# The variable that shows a process only some devices of a type (indices, comma-separated, in the process's
+# own order), as each vendor's runtime reads it before its first use; ROCm reads CUDA's too.
+VISIBILITY = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK", "hpu": "HABANA_VISIBLE_MODULES",
+              "npu": "ASCEND_RT_VISIBLE_DEVICES", "xla": "TPU_VISIBLE_CHIPS", "mlu": "MLU_VISIBLE_DEVICES",
+              "musa": "MUSA_VISIBLE_DEVICES", "neuron": "NEURON_RT_VISIBLE_CORES"}
 
 
 @dataclass
@@ -129,6 +134,63 @@ class Adapter:
                 )
             return [str(dev)]
         return [f"{dev.type}:{i}" for i in range(count)]
+
+    # -- placement: which processes a device takes ------------------------------------------------
+
+    @property
+    def visibility_variable(self) -> str | None:
+        """The environment variable that restricts which devices a process sees (`VISIBILITY`), or None
+        where the backend has none (the CPU; a backend that did not say: a vendor adapter sets it)."""
+        return VISIBILITY.get(self.kind)
+
+    def visible_env(self, indices: list[int]) -> dict[str, str]:
+        """The environment that shows a new process only these devices (as this process numbers them), in
+        this order; composed with the variable's value here, so a restricted parent restricts further.
+        {} where the backend has no such variable (the process then sees every device)."""
+        import os
+
+        var = self.visibility_variable
+        if var is None:
+            return {}
+        mine = [x.strip() for x in os.environ.get(var, "").split(",") if x.strip()]
+        return {var: ",".join(mine[i] if var in os.environ else str(i) for i in indices)}
+
+    def sharing(self) -> str:
+        """How the devices take processes: ``exclusive`` (the first process that uses one holds it; another
+        is refused), ``shared`` (several may use one), or ``unknown``. Generic: unknown (a GPU in CUDA's
+        default compute mode shares, one in an exclusive mode or a TPU does not): a vendor adapter says."""
+        return "unknown"
+
+    @property
+    def exclusive(self) -> bool:
+        """A device refuses a second process: the fleet never puts two workers on one."""
+        return self.sharing() == "exclusive"
+
+    def refusal(self, exc: BaseException) -> errors.InUse | None:
+        """Whether `exc` (or its chain) says another process holds the device, with the holder's pid where
+        the backend's words name it (`errors.IN_USE`); None for any other error."""
+        for link in errors.chain(exc):
+            found = errors.parse_in_use(str(link))
+            if found is not None:
+                return found
+        return None
+
+    def device_identity(self, device: str) -> str:
+        """What tells a device apart whatever a process numbers it (processes restricted to different
+        devices all call theirs index 0): its UUID where the device module reports one, else its name."""
+        import torch
+
+        index = torch.device(device).index or 0
+        try:
+            module = torch.get_device_module(self.kind)
+        except (RuntimeError, AttributeError, ValueError):
+            return device
+        props = getattr(module, "get_device_properties", None)
+        uuid = getattr(props(index), "uuid", None) if callable(props) else None
+        if uuid:
+            return str(uuid)
+        name = getattr(module, "get_device_name", None)
+        return str(name(index)) if callable(name) else device
 
     # -- settings ----------------------------------------------------------------------------
 
@@ -321,7 +383,9 @@ class Adapter:
 
         Generic: PyTorch's and common runtimes' messages for a lost device, ECC errors, driver and
         collective-library failures. A vendor adapter adds its runtime's exception types."""
-        return isinstance(exc, RuntimeError | OSError) and errors.is_device_fault_message(str(exc))
+        # another process holding the device is the device's unavailability too (its models run elsewhere)
+        return isinstance(exc, RuntimeError | OSError) and (errors.is_device_fault_message(str(exc))
+                                                            or errors.parse_in_use(str(exc)) is not None)
 
     def lost_connection(self, exc: BaseException, stage: str = "target") -> bool:
         """`exc` is a connection to the device failing: refused, reset, a broken pipe, a timeout. Raised

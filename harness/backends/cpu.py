@@ -17,6 +17,9 @@ class CpuAdapter(Adapter):
             raise ValueError(f"--target {target}: the CPU is one device; use --target cpu")
         return ["cpu"]
 
+    def sharing(self) -> str:
+        return "shared"  # any number of processes use the host's cores
+
     def perf_clock(self) -> tuple[str, Callable[[], float]]:
         """Thread CPU time: with one intra-op thread while timing, the CPU's kernels run on the calling
         thread, and other processes on a shared host only stretch the wall clock."""

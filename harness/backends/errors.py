@@ -124,6 +124,38 @@ DEVICE_FAULT = re.compile(
     re.IGNORECASE,
 )
 
+# Messages that say another process holds the device (one `Pattern` each, with an example), and the holder's
+# pid where the message names it: a chip that takes one process refuses the next at its first use.
+IN_USE: tuple[Pattern, ...] = (
+    Pattern("held-by-pid", re.compile(r"\bin use by (?:process(?:es)?|pid)(?: with pid)? (?P<pid>\d+)", re.IGNORECASE),
+            "RuntimeError: sim:0 is in use by process 1234 (sim's devices are exclusive: ...)"),
+    Pattern("tpu", re.compile(r"TPU is already in use by process with pid (?P<pid>\d+)"),
+            "RuntimeError: Unable to initialize backend 'tpu': ABORTED: The TPU is already in use by process with "
+            "pid 1234. Not attempting to load libtpu.so in this process."),
+    Pattern("cuda-busy", re.compile(r"CUDA-capable device\(s\) is/are busy or unavailable|devices are busy or unavailable"),
+            "RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable"),
+    Pattern("ebusy", re.compile(r"Device or resource busy"),
+            "OSError: [Errno 16] Device or resource busy: '/dev/accel0'"),
+)
+
+
+@dataclass(frozen=True)
+class InUse:
+    """A device another process holds: the message's words, and the holder's pid where it names one."""
+
+    message: str
+    holder: int | None = None
+
+
+def parse_in_use(message: str) -> InUse | None:
+    """Whether `message` says another process holds the device (`IN_USE`); None otherwise."""
+    for p in IN_USE:
+        m = p.regex.search(message)
+        if m is not None:
+            pid = m.groupdict().get("pid")
+            return InUse(" ".join(message.split())[:500], int(pid) if pid else None)
+    return None
+
 
 _DTYPE = re.compile(r"\bnot implemented for '(?P<dtype>\w+)'")
 _KERNEL_SUFFIX = re.compile(r"_(?:impl_)?(?:cuda|cpu|mps|xpu)_?$")  # AT_DISPATCH names: baddbmm_cuda

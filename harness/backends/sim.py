@@ -1,7 +1,8 @@
 """Adapter for `sim`, the simulated young accelerator in `harness.sim`.
 
 The only module outside `harness/sim/` that knows sim's switches: its two precision modes, its op
-profiles, its injected device errors, its planted numerics bugs and planted slowdowns.
+profiles, its injected device errors, its planted numerics bugs and planted slowdowns, and its placement
+(which processes a device takes, which devices a process sees).
 """
 
 from __future__ import annotations
@@ -163,7 +164,17 @@ class SimAdapter(Adapter):
     def is_device_fault(self, exc: BaseException) -> bool:
         from harness.sim import SimDeviceError
 
-        return isinstance(exc, SimDeviceError)
+        return isinstance(exc, SimDeviceError) or super().is_device_fault(exc)  # "sim:0 is in use by process N"
+
+    # harness.sim.indices.VISIBLE_ENV: its devices shown to a process, as CUDA_VISIBLE_DEVICES does
+    visibility_variable = "PORTHARNESS_SIM_VISIBLE_DEVICES"
+
+    def sharing(self) -> str:
+        """PORTHARNESS_SIM_SHARING: exclusive by default, as a young chip is (harness.sim.placement)."""
+        self.load()
+        from harness.sim.placement import sharing
+
+        return sharing()
 
 
 @contextlib.contextmanager

@@ -221,7 +221,11 @@ class Job:
 
             if not os.environ.get("PORTHARNESS_SIM_OPS"):
                 harness.sim.set_op_profile("full")  # DDP needs ops the young profile lacks
-            self.device = torch.device("sim", 0)  # each process is its own host; autograd runs on sim:0
+            # each process is its own host (sim:0 of its own: sim's devices take one process each)
+            from harness.sim.placement import NAMESPACE_ENV
+
+            os.environ[NAMESPACE_ENV] = f"{os.environ.get(NAMESPACE_ENV, '')}:{os.path.basename(self.workdir)}:{self.label}"
+            self.device = torch.device("sim", 0)  # autograd runs on sim:0
         elif self.cfg.target == "cuda":
             idx = self.slot % torch.cuda.device_count()
             torch.cuda.set_device(idx)

@@ -163,6 +163,10 @@ def rank_main(rank: int, cfg_dict: dict, workdir: str) -> None:
         if not os.environ.get("PORTHARNESS_SIM_OPS"):
             harness.sim.set_op_profile("full")
         note["sim"] = harness.sim.settings()
+        if cfg.world_size > harness.sim.device_count():  # ranks share devices, which take one process each:
+            from harness.sim.placement import NAMESPACE_ENV  # so each rank is its own simulated host
+
+            os.environ[NAMESPACE_ENV] = f"{os.environ.get(NAMESPACE_ENV, '')}:{os.path.basename(workdir)}:r{rank}"
     device = _device(cfg.target, rank)
     note["device"] = str(device)
     store = dist.FileStore(os.path.join(workdir, "store"), cfg.world_size)

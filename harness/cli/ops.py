@@ -163,7 +163,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
             + (f"({len(failed)} without a harvest: {', '.join(f'{m} {o}' for m, o in list(failed.items())[:3])}"
                f"{' ...' if len(failed) > 3 else ''}) " if failed else "")
             + f"({args.source}) on {args.target} {' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-            f"{_workers(executor, n_jobs, fleet, len(entries_v), args.jobs)} -> {args.db}"), file=sys.stderr)
+            f"{_workers(executor, n_jobs, fleet, len(entries_v), args.jobs, args.target)} -> {args.db}"), file=sys.stderr)
         summary = run_models(entries_v, config, args.db, list_name=ops_list(args.list), shard_spec=args.shard,
                              resume=args.resume, argv=" ".join(sys.argv), kind="variation",
                              variations={e.id: chosen[e.id] for e in entries_v})

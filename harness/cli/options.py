@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from harness.cli.cache import cmd_cache
 from harness.cli.collectives import cmd_collectives
 from harness.cli.ops import cmd_ops
+from harness.cli.placement import cmd_placement
 from harness.cli.results import (
     cmd_baseline,
     cmd_diff,
@@ -319,6 +320,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--straggler-excess", type=float, default=None,
                    help="straggler bar above the peers' mean (default 0.1 on cuda, 0.5 where ranks share cores)")
     p.set_defaults(func=cmd_collectives)
+
+    p = sub.add_parser("placement", help="which placements of processes on the target's chips it allows (one "
+                       "process per chip, one for all, K on one chip, an RL trainer and generator on one) and what "
+                       "each costs; exit 1 if a process hangs or fails, or numbers move")
+    p.add_argument("--target", default="sim", help="device: sim, sim:1, cpu, cuda, ... (shared:K and rl use this one; "
+                   "per-chip and host every device of its type; sim's devices are exclusive unless "
+                   "PORTHARNESS_SIM_SHARING=shared)")
+    p.add_argument("--scenarios", default="per-chip,host,shared:2,rl",
+                   help="comma-separated: per-chip, host, shared:K (K processes on one device, 2 to 16), rl, or all "
+                        "(default per-chip,host,shared:2,rl)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per process and phase (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per scenario, its processes' start included; past it the processes that have "
+                        "not answered are named and every one is killed (default 300)")
+    _backend_option(p)
+    p.add_argument("--db", default=None, help="record one row per scenario in this result DB")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=cmd_placement)
 
     p = sub.add_parser("zoo", help="regenerate the tiny-zoo list from the installed transformers")
     zoo_csv = Path(__file__).resolve().parents[1] / "model_lists" / "tiny-zoo.csv"

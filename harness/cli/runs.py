@@ -18,14 +18,21 @@ def _jobs(args: argparse.Namespace, executor: Any) -> int:
     return args.jobs if args.jobs is not None else 0 if executor.all_devices_by_default else max(1, os.cpu_count() or 1)
 
 
-def _workers(executor: Any, jobs: int, fleet: Any, queued: int, asked: int | None = None) -> str:
+def _workers(executor: Any, jobs: int, fleet: Any, queued: int, asked: int | None, target: str) -> str:
     """The banner's words for who runs the jobs (as many as the run starts: `policy.workers`): worker
-    processes here, actors on a cluster's nodes. `asked`: the --jobs given, said when it was more."""
+    processes here, actors on a cluster's nodes. `asked`: the --jobs given, said when it was more, and why:
+    the devices hold no more (one process each where the target's devices are exclusive), or the jobs."""
+    from harness.backends import adapter_for
+    from harness.fleet.executor import device_cap
     from harness.fleet.policy import workers
 
-    n = workers(jobs, queued, len(fleet.active), executor.per_device)
-    capped = (f" (--jobs {asked}: no more than the {'devices hold' if n < queued else 'jobs to run'})"
-              if asked is not None and asked > n else "")
+    adapter = adapter_for(target)
+    cap = device_cap(executor, adapter)
+    n = workers(jobs, queued, len(fleet.active), cap)
+    why = "the jobs to run" if n >= queued else (
+        f"{len(fleet.active)}, one per device: {adapter.kind}'s devices take one process each"
+        if adapter.exclusive and executor.per_device is None else "the devices hold")
+    capped = f" (--jobs {asked}: no more than {why})" if asked is not None and asked > n else ""
     if executor.one_host:
         return f"{n} worker(s){capped}"
     return f"{n} {executor.name} actor(s) on {len({d.split('/')[0] for d in fleet.active})} node(s){capped}"
@@ -294,7 +301,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(terminal_text(
         f"portharness: {len(entries)} models from {args.list} (shard {args.shard}) on {args.target} "
         f"{' '.join(f'{k}={v}' for k, v in config.settings.items())}, "
-        + _workers(executor, jobs, fleet, len(entries), args.jobs) + f" -> {args.db}"
+        + _workers(executor, jobs, fleet, len(entries), args.jobs, args.target) + f" -> {args.db}"
         + (f" (reference cache {config.ref_cache}"
            + (", read-only: entries are read, none stored)" if _read_only(config.ref_cache) else ")")
            if config.ref_cache else ""), one_line=True), file=sys.stderr)

@@ -174,6 +174,12 @@ class RayExecutor:
 EXECUTORS: dict[str, type[LocalExecutor] | type[RayExecutor]] = {"local": LocalExecutor, "ray": RayExecutor}
 
 
+def device_cap(executor: Executor, adapter: Any) -> int | None:
+    """Workers one device may hold: one where the backend's devices refuse a second process (the adapter
+    says so, `Adapter.exclusive`), else what the executor allows (None: any number)."""
+    return 1 if adapter.exclusive else executor.per_device
+
+
 def executor_for(name: str) -> Executor:
     """The executor called `name` (ValueError naming the choices)."""
     if name not in EXECUTORS:

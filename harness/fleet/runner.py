@@ -25,7 +25,7 @@ from tqdm import tqdm
 from harness.backends import adapter_for, load_backends
 from harness.console import terminal_text
 from harness.fleet import policy, quiet
-from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, executor_for
+from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, device_cap, executor_for
 from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.resume import resumable
@@ -162,7 +162,8 @@ class _Run:
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
         self.executor: Executor = executor_for(config.executor)
-        self.jobs = policy.workers(config.jobs, len(self.queue), len(fleet.active), self.executor.per_device)
+        self.cap = device_cap(self.executor, adapter)  # one worker per device where a device takes one process
+        self.jobs = policy.workers(config.jobs, len(self.queue), len(fleet.active), self.cap)
         self.budgets = config.budgets
         spec = PoolSpec(jobs=self.jobs, worker_env=adapter.worker_env(settings), mem_cap_mb=config.mem_cap_mb,
                         backends=config.backends, budgets=self.budgets, startup_timeout_s=config.startup_timeout_s,
@@ -199,7 +200,7 @@ class _Run:
         return Counter(w.key for w in self.pool.workers)
 
     def _spawn(self) -> None:
-        dev = policy.pick_device(self.fleet, self._load(), self.queue, cap=self.pool.per_device)
+        dev = policy.pick_device(self.fleet, self._load(), self.queue, cap=self.cap)
         if dev is not None:
             self.pool.spawn(dev)
 

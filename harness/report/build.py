@@ -33,6 +33,9 @@ from harness.report.links import Command, row_links
 from harness.report.nightly import regression_groups_view, trend_view
 from harness.report.parallel import in_parallel, page_workers
 from harness.report.perf import perf_diff_view, perf_row_view, speed_view
+from harness.report.placement import PAGE as PLACEMENT_PAGE
+from harness.report.placement import latest as latest_placements
+from harness.report.placement import placement_view
 from harness.report.repros import copy_repros
 from harness.report.summary import summary_view
 from harness.report.views import (
@@ -84,6 +87,7 @@ class _RunData:
     coll_run: str | None  # the run they come from
     faults: pd.DataFrame  # fault-scenario rows shown on the collective-faults page (when there are any)
     faults_runs: list[str]  # the runs they come from
+    placements: pd.DataFrame  # placement scenarios' latest rows (the placement page, when there are any)
     base: tuple[str, pd.DataFrame, str] | None  # diff base: run id, its results, where from
 
 
@@ -123,6 +127,7 @@ def _load(
             coll_run=coll_run,
             faults=faults,
             faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
+            placements=latest_placements(store),
             base=_resolve_base(store, rid, base_run, base_db, hist),
         )
 
@@ -165,6 +170,7 @@ def _load_night(store: ResultStore, rids: list[str], base_db: str | os.PathLike 
         coll_run=coll_run,
         faults=faults,
         faults_runs=sorted(set(faults.run_id)) if not faults.empty else [],
+        placements=latest_placements(store),
         base=("+".join(base_ids), base_df, where) if base_df is not None else None,
     )
 
@@ -243,7 +249,7 @@ def _env() -> jinja2.Environment:
 # Every name the site has at its top level: a rebuild removes those the new site lacks (a diff page
 # from a build that had a base), and leaves anything else a user put there alone.
 SITE_NAMES = (MARKER, "assets", "models", "repro", OP_DIR, "index.html", "matrix.html", "ops.html", "drift.html",
-              "collectives.html", FAULTS_PAGE, "diff.html", "trend.html")
+              "collectives.html", FAULTS_PAGE, "placement.html", "diff.html", "trend.html")
 
 
 def check_out(out: str | os.PathLike) -> None:
@@ -309,6 +315,7 @@ def _common(
     data: _RunData, db_path: str | os.PathLike, *, has_diff: bool, has_trend: bool = False
 ) -> dict[str, Any]:
     faults = [(FAULTS_PAGE, "Collective faults")] if not data.faults.empty else []
+    faults += [(PLACEMENT_PAGE, "Placement")] if not data.placements.empty else []
     return {
         **run_view(data.run),
         "nav": list(NAV) + faults + ([("diff.html", "Diff")] if has_diff else [])
@@ -472,6 +479,8 @@ def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | 
         site.render("drift.html", "drift.html", **drift_view(df, hrefs))
         _render_collectives(site, data)
         _render_collective_faults(site, data)
+        if not data.placements.empty:
+            site.render("placement.html", PLACEMENT_PAGE, **placement_view(data.placements))
         if res is not None and base is not None:
             diff = {**diff_view(res, hrefs), "groups": regression_groups_view(res, hrefs),
                     "perf": perf_diff_view(res.perf, hrefs)}

@@ -331,6 +331,43 @@ class CollectiveFaultRow:
     finished_at: str = ""
 
 
+@dataclass
+class PlacementRow:
+    """One placement scenario (per-chip, host, shared:K, rl) on one backend (`harness.bench.placement`).
+
+    ``slowdown`` is the worst process's ratio of per-step medians together against alone, with its 95%
+    interval; ``identical`` and ``latest_weights`` are 1/0, or None where the scenario did not ask (a refused
+    one, or latest_weights outside rl); ``per_process`` has each process's own numbers."""
+
+    run_id: str
+    target: str
+    backend: str
+    scenario: str
+    mode: str  # how the backend's devices take processes: exclusive, shared, unknown
+    settings: dict
+    outcome: str  # allowed, refused, timeout, failed
+    processes: int
+    devices: list
+    refusal: str = ""
+    refused_role: str = ""
+    holder: int | None = None
+    holder_role: str = ""
+    refusal_s: float | None = None
+    slowdown: float | None = None
+    slowdown_lo: float | None = None
+    slowdown_hi: float | None = None
+    identical: int | None = None
+    latest_weights: int | None = None
+    visibility: str = ""
+    peak_mb: float | None = None
+    handoff_ms: float | None = None
+    wall_s: float = 0.0
+    per_process: list = field(default_factory=list)
+    detail: str = ""
+    error: str = ""
+    finished_at: str = ""
+
+
 # ----------------------------------------------------------------------------------------------
 # Column types, from the real annotations (not their text)
 # ----------------------------------------------------------------------------------------------

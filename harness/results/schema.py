@@ -16,6 +16,7 @@ from harness.results.rows import (
     CollectiveFaultRow,
     CollectiveRow,
     OpUseRow,
+    PlacementRow,
     PlannedRow,
     ResultRow,
     RunInfo,
@@ -50,10 +51,11 @@ COLLECTIVE_FAULTS = Table(
     CollectiveFaultRow,
     ("run_id", "target", "backend", "world_size", "setting", "scenario"),
 )
+PLACEMENTS = Table("placements", PlacementRow, ("run_id", "target", "scenario"))
 VARIATIONS = Table("variations", VariationRow, ("run_id", "variation_id"))
 OP_USES = Table("op_uses", OpUseRow, ("run_id", "model_id"))
 PLAN = Table("run_plan", PlannedRow, ("run_id", "model_id"))
-TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS, VARIATIONS, OP_USES, PLAN)}
+TABLES = {t.name: t for t in (RESULTS, COLLECTIVES, COLLECTIVE_FAULTS, PLACEMENTS, VARIATIONS, OP_USES, PLAN)}
 SQL_TYPES = {bool: "INTEGER", int: "INTEGER", float: "REAL", str: "TEXT", dict: "TEXT", list: "TEXT"}
 RUN_COLUMNS = [*field_names(RunInfo), "finished_at"]
 RUN_REQUIRED = ("run_id", "list_name", "target", "settings", "started_at")  # NOT NULL without a default
@@ -86,6 +88,7 @@ _SCHEMA = [
     "CREATE INDEX IF NOT EXISTS results_model ON results (model_id)",
     create_sql(COLLECTIVES),
     create_sql(COLLECTIVE_FAULTS),
+    create_sql(PLACEMENTS),
     create_sql(VARIATIONS),
     create_sql(OP_USES),
     create_sql(PLAN),

@@ -42,6 +42,7 @@ from harness.results.dbfile import (
 from harness.results.rows import (
     CollectiveFaultRow,
     CollectiveRow,
+    PlacementRow,
     PlannedRow,
     ResultRow,
     RunInfo,
@@ -49,7 +50,16 @@ from harness.results.rows import (
     utc_now,
     versions,
 )
-from harness.results.schema import COLLECTIVE_FAULTS, COLLECTIVES, PLAN, RESULTS, RUN_COLUMNS, TABLES, Table
+from harness.results.schema import (
+    COLLECTIVE_FAULTS,
+    COLLECTIVES,
+    PLACEMENTS,
+    PLAN,
+    RESULTS,
+    RUN_COLUMNS,
+    TABLES,
+    Table,
+)
 from harness.results.writable import create_db, may_write, remove_db
 
 __all__ = ["ResultStore", "StoreError", "StoreWriteError", "canonical_json", "TABLES"]
@@ -311,6 +321,23 @@ class ResultStore:
         if not row.finished_at:
             row.finished_at = utc_now()
         self._upsert(COLLECTIVE_FAULTS, [encode(row, COLLECTIVE_FAULTS.types)])
+
+    def record_placement(self, row: PlacementRow) -> None:
+        """Upsert one placement-scenario row; committed when this returns."""
+        self._require_run(row.run_id)
+        row.finished_at = row.finished_at or utc_now()
+        self._upsert(PLACEMENTS, [encode(row, PLACEMENTS.types)])
+
+    def placements(self, run_id: str | None = None) -> pd.DataFrame:
+        """Placement-scenario rows (all runs if ``run_id`` is None), JSON columns decoded."""
+        t = PLACEMENTS
+        if run_id is not None:
+            self._require_run(run_id)
+        if not self._has_table(t.name):
+            return frame([], t.columns, t.types)
+        where, params = ("WHERE run_id=? ", (run_id,)) if run_id is not None else ("", ())
+        return frame(self._query(f"SELECT * FROM {t.name} {where}ORDER BY run_id, target, scenario", params),
+                     t.columns, t.types, t.name)
 
     def _has_table(self, name: str) -> bool:
         """Whether the DB has table ``name`` (a read-only DB from before it was added does not)."""

@@ -32,7 +32,16 @@ devices    PORTHARNESS_SIM_DEVICES      torch.sim.device_count() (live)       de
 exclusive  PORTHARNESS_SIM_EXCLUSIVE    (read when a group is made)           1: one rank per device
 check      PORTHARNESS_SIM_CHECK_       planner.for_group(pg).check           1 (default): a mismatch
            COLLECTIVES                                                        across ranks is an error
+visible    PORTHARNESS_SIM_VISIBLE_     placement.visible_devices()           as CUDA_VISIBLE_DEVICES
+           DEVICES                                                            (``1,0``)
+sharing    PORTHARNESS_SIM_SHARING      placement.sharing()                   exclusive (default: one
+                                                                              process per device), shared
+fraction   PORTHARNESS_SIM_MEMORY_      torch.sim.set_per_process_memory_     share of a device's memory
+           FRACTION                     fraction()                            this process may use
 ========== ============================ ===================================== ======================
+
+Placement (``placement``): a device belongs to the first process that uses it ("sim:0 is in use by
+process N" for the next), or, shared, is one memory budget whose processes' kernels take turns.
 
 It behaves like a device because it is one: a native PrivateUse1 backend (``native``, C++ built on
 first use). Its tensors are plain `torch.Tensor`s on ``sim:N`` and its parameters plain
@@ -90,6 +99,7 @@ from .fault_injection import SimDeviceError, active_faults, clear_faults, faults
 from .memory import get_memory_size, memory_size, set_memory_size
 from .numerics import get_numerics_bugs, numerics_bugs, numerics_hits, reset_numerics_hits, set_numerics_bugs
 from .opset import get_op_profile, op_profile, profile_names, set_op_profile
+from .placement import sharing
 from .precision_mode import get_precision, precision, set_precision
 from .slowdown import get_slow_ops, set_slow_ops, slow_ops
 
@@ -125,6 +135,7 @@ __all__ = [
     "set_precision",
     "set_slow_ops",
     "settings",
+    "sharing",
     "slow_ops",
 ]
 

@@ -45,6 +45,10 @@ from .memory import (  # noqa: F401  torch.sim's memory API
     set_memory_size,
 )
 from .native import ext as _ext
+from .placement import (  # noqa: F401  torch.sim's per-process memory cap, as torch.cuda's
+    get_per_process_memory_fraction,
+    set_per_process_memory_fraction,
+)
 from .streams import (  # noqa: F401  torch.sim's stream API
     Event,
     Stream,
@@ -168,7 +172,9 @@ def _is_autocast_enabled() -> bool:
 
 
 def get_device_name(device: torch.device | str | int | None = None) -> str:
-    return f"portharness sim accelerator {_index_of(device)}"
+    # the device itself, not this process's index for it: processes restricted to different devices by
+    # the visibility variable tell them apart by name, as by a GPU's UUID
+    return f"portharness sim accelerator {_ext.physical_index(_index_of(device))}"
 
 
 class DeviceProperties:

@@ -10,7 +10,8 @@ Each device has a memory size; an allocation that would exceed it raises `torch.
 big machine. The default size is the host's physical memory (sim memory is host memory).
 
 Switch: env ``PORTHARNESS_SIM_MEMORY_MB`` (all devices), `set_memory_size()` (one or all
-devices), or the `memory_size()` context manager.
+devices), or the `memory_size()` context manager. A device several processes share (``placement``) has
+one size and one budget: every process's allocations count against it.
 
 The statistics are what `torch.accelerator.memory_allocated/memory_stats/...` report (through the
 DeviceAllocator in ``native``); the functions here are the `torch.sim` module's versions of them.
@@ -130,9 +131,10 @@ def memory_stats(device: DeviceLike = None) -> OrderedDict[str, Any]:
 
 
 def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
-    """(free, total) simulated bytes on `device`, like `torch.cuda.mem_get_info`."""
-    cur, *_, limit = ext.stats(_index_of(device))
-    return max(limit - cur, 0), limit
+    """(free, total) simulated bytes on `device`, like `torch.cuda.mem_get_info`: on a shared device what
+    every process using it left (``placement``). Asking is a use of the device, as on CUDA."""
+    free, total = ext.mem_info(_index_of(device))
+    return int(free), int(total)
 
 
 def empty_cache() -> None:

@@ -87,7 +87,7 @@ std::string format_bytes(double n) {
 struct SimAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     int dev = current;
-    if (!account_alloc(dev, n, true)) throw_oom(dev, n);
+    if (!account_alloc(dev, n)) throw_oom(dev, n);
     c10::DataPtr host;
     try {
       host = c10::GetCPUAllocator()->allocate(n);
@@ -120,10 +120,8 @@ struct SimAllocator final : c10::DeviceAllocator {
   void resetAccumulatedStats(DeviceIndex device) override { reset_accumulated(device); }
   void resetPeakStats(DeviceIndex device) override { reset_peak(device); }
   std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) override {
-    std::lock_guard<std::mutex> lock(memory_mutex);
-    const DeviceMemory& m = memory.at(device);
-    int64_t used = m.bytes[0].current;
-    return {static_cast<size_t>(m.limit > used ? m.limit - used : 0), static_cast<size_t>(m.limit)};
+    auto [free, total] = memory_info(device);
+    return {static_cast<size_t>(free), static_cast<size_t>(total)};
   }
 };
 
@@ -188,8 +186,10 @@ SimGuard& the_guard = *new SimGuard();
 
 }  // namespace
 
-// Same variable and default as harness/sim/indices.py.
+// Same variables and default as harness/sim/indices.py: the visible devices, else every simulated one.
 int device_count() noexcept {
+  int visible = visible_count();
+  if (visible >= 0) return visible < 1 ? 1 : visible;
   const char* raw = std::getenv("PORTHARNESS_SIM_DEVICES");
   if (raw == nullptr || *raw == '\0') return 2;
   long n = std::strtol(raw, nullptr, 10);
@@ -203,17 +203,24 @@ void set_current_device(DeviceIndex index) noexcept { current = index; }
 int check_index(int index) {
   int count = device_count();
   TORCH_CHECK(index >= 0 && index < count, "sim device index ", index, " out of range: ", count,
-              " simulated devices (set PORTHARNESS_SIM_DEVICES to simulate more)");
+              visible_count() >= 0 ? " visible simulated devices (PORTHARNESS_SIM_VISIBLE_DEVICES)" : " simulated devices",
+              " (set PORTHARNESS_SIM_DEVICES to simulate more)");
   return index;
 }
 
 c10::Allocator* allocator() { return &the_allocator; }
 
-bool account_alloc(int dev, size_t bytes, bool enforce) {
+bool account_alloc(int dev, size_t bytes) {
+  claim(dev);  // the device's first use by this process: taken, joined, or refused
   std::lock_guard<std::mutex> lock(memory_mutex);
   DeviceMemory& m = memory[dev];
   auto& total = m.bytes[static_cast<size_t>(StatType::AGGREGATE)];
-  if (enforce && total.current + static_cast<int64_t>(bytes) > m.limit) {
+  const int64_t n = static_cast<int64_t>(bytes);
+  const double f = fraction(dev);
+  const bool own_ok = f >= 1.0 || total.current + n <= static_cast<int64_t>(f * static_cast<double>(m.limit));
+  // a shared device's limit is its ledger's (every tenant's bytes count); otherwise this process's count
+  const bool fit = shared(dev) ? own_ok && ledger_take(dev, n) : own_ok && total.current + n <= m.limit;
+  if (!fit) {
     m.num_ooms++;
     return false;
   }
@@ -225,6 +232,7 @@ bool account_alloc(int dev, size_t bytes, bool enforce) {
 }
 
 void account_free(int dev, size_t bytes) {
+  if (shared(dev)) ledger_give(dev, static_cast<int64_t>(bytes));
   std::lock_guard<std::mutex> lock(memory_mutex);
   DeviceMemory& m = memory[dev];
   for (size_t i : {static_cast<size_t>(StatType::AGGREGATE), pool_of(bytes)}) {
@@ -235,14 +243,34 @@ void account_free(int dev, size_t bytes) {
 
 void throw_oom(int dev, size_t bytes) {
   MemoryStats s = memory_stats(dev);
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "sim:", dev, " out of memory. Tried to allocate ",
-                   format_bytes(static_cast<double>(bytes)), ". sim:", dev, " has a total capacity of ",
+  auto [free, total] = memory_info(dev);
+  std::string context = oom_context(dev, bytes, s.current, s.limit);
+  std::string label = device_label(dev);
+  if (!context.empty()) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, label, " out of memory. Tried to allocate ",
+                     format_bytes(static_cast<double>(bytes)), ". ", label, " has a total capacity of ",
+                     format_bytes(static_cast<double>(total)), " of which ", format_bytes(static_cast<double>(free)),
+                     " is free. ", context, " (simulated device memory: set PORTHARNESS_SIM_MEMORY_MB or "
+                     "harness.sim.set_memory_size() to change it)");
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, label, " out of memory. Tried to allocate ",
+                   format_bytes(static_cast<double>(bytes)), ". ", label, " has a total capacity of ",
                    format_bytes(static_cast<double>(s.limit)), " of which ",
                    format_bytes(static_cast<double>(s.limit > s.current ? s.limit - s.current : 0)), " is free; ",
                    format_bytes(static_cast<double>(s.current)),
                    " is allocated by tensors (simulated device memory: set PORTHARNESS_SIM_MEMORY_MB or "
                    "harness.sim.set_memory_size() to change it)");
   __builtin_unreachable();
+}
+
+std::pair<int64_t, int64_t> memory_info(int dev) {
+  claim(dev);  // asking a device about its memory is using it, as on CUDA
+  if (shared(dev)) {
+    auto [used, limit] = shared_info(dev);
+    return {limit > used ? limit - used : 0, limit};
+  }
+  MemoryStats s = memory_stats(dev);
+  return {s.limit > s.current ? s.limit - s.current : 0, s.limit};
 }
 
 c10::DataPtr device_data(c10::DataPtr host, c10::intrusive_ptr<c10::StorageImpl> keep, void* data, int dev,
@@ -261,8 +289,11 @@ MemoryStats memory_stats(int dev) {
 }
 
 void set_memory_limit(int dev, int64_t bytes) {
-  std::lock_guard<std::mutex> lock(memory_mutex);
-  memory.at(dev).limit = bytes;
+  {
+    std::lock_guard<std::mutex> lock(memory_mutex);
+    memory.at(dev).limit = bytes;
+  }
+  ledger_set_limit(dev, bytes);  // a shared device has one size, whichever tenant sets it
 }
 
 bool fits(int dev, int64_t bytes) {

@@ -46,7 +46,7 @@ at::Tensor alias_of(const at::Tensor& t) { return alias_on(t, host_storage(t)); 
 c10::Storage adopt_storage(const c10::Storage& cpu, int dev) {
   c10::StorageImpl* s = cpu.unsafeGetStorageImpl();
   size_t n = s->nbytes();
-  if (!account_alloc(dev, n, true)) throw_oom(dev, n);
+  if (!account_alloc(dev, n)) throw_oom(dev, n);
   void* data = n ? s->mutable_data() : s->_mutable_data_ptr_no_checks().get();  // materialises a lazy clone
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), n,
@@ -79,7 +79,7 @@ void sync_back(const at::Tensor& sim, const at::Tensor& alias, c10::StorageImpl*
     c10::StorageImpl* dst = si->storage().unsafeGetStorageImpl();
     size_t n = made->nbytes();
     c10::DataPtr fresh = made->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
-    if (!account_alloc(dev, n, true)) throw_oom(dev, n);
+    if (!account_alloc(dev, n)) throw_oom(dev, n);
     void* data = fresh.get();
     dst->set_data_ptr_noswap(device_data(std::move(fresh), {}, data, dev, n));
     dst->set_nbytes(n);

@@ -160,6 +160,7 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   int dev = call.dev;
   if (call.target.has_value() && call.target->type() == kSim) dev = call.target->index();
   if (dev < 0) dev = current_device();
+  claim(dev);  // a kernel is a use of its device (its first one may be refused)
 
   for (int g : info.generators) {
     IValue& v = (*stack)[begin + g];
@@ -189,6 +190,7 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   const double slowdown = timing ? slowdown_of(info) : 1.0;
   try {
+    Turn turn(dev);  // a shared device runs one kernel at a time, whichever process launched it
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   } catch (const c10::NotImplementedError& e) {
     if (e.msg().find("from the 'CPU' backend") != std::string::npos) unsupported(info, true);
@@ -255,6 +257,7 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (hook != nullptr) hook(dev, fresh);
   }
   if (slowdown > 1.0) {
+    Turn turn(dev);  // a slow kernel keeps the device busy, not only this process
     busy_for(std::chrono::duration_cast<std::chrono::steady_clock::duration>((std::chrono::steady_clock::now() - entered) * (slowdown - 1.0)));
   }
 }

@@ -62,6 +62,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats", [](int dev) { return stats(device_arg(dev)); },
         "(bytes current, peak, allocated, freed, blocks current, peak, num_ooms, limit)");
   m.def("set_limit", [](int dev, int64_t bytes) { sim::set_memory_limit(device_arg(dev), bytes); });
+  m.def("mem_info", [](int dev) {
+    HANDLE_TH_ERRORS
+    return sim::memory_info(device_arg(dev));
+    END_HANDLE_TH_ERRORS_PYBIND
+  }, "(free, total) bytes; on a shared device every process's use counts (a use of the device)");
+  m.def("claim", [](int dev) {
+    HANDLE_TH_ERRORS
+    sim::claim(device_arg(dev));
+    END_HANDLE_TH_ERRORS_PYBIND
+  }, "take the device for this process, as its first use does (raises if another process holds it)");
+  m.def("claimed", [](int dev) { return sim::claimed(device_arg(dev)); });
+  m.def("shared", [](int dev) { return sim::shared(device_arg(dev)); });
+  m.def("physical_index", [](int dev) { return sim::physical_index(device_arg(dev)); });
+  m.def("set_fraction", [](int dev, double f) { sim::set_fraction(device_arg(dev), f); });
+  m.def("fraction", [](int dev) { return sim::fraction(device_arg(dev)); });
+  m.def("tenants", [](int dev) { return sim::ledger_tenants(device_arg(dev)); },
+        "(pid, bytes) of each process sharing the device (empty unless it is shared)");
+  m.def("holders", [](int physical) { return sim::holders(device_arg(physical)); },
+        "(pid, mode) of each process holding physical device `physical`");
   m.def("fits", [](int dev, int64_t bytes) { return sim::fits(device_arg(dev), bytes); });
   m.def("reset_peak", [](int dev) { sim::reset_peak(device_arg(dev)); });
   m.def("reset_accumulated", [](int dev) { sim::reset_accumulated(device_arg(dev)); });

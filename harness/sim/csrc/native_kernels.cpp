@@ -55,6 +55,9 @@ at::Tensor host_or_self(const at::Tensor& t) { return is_sim(t) ? alias_of(t) : 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   if (is_sim(dst)) drop_rounded(dst.storage().unsafeGetStorageImpl());
   at::Tensor d = host_or_self(dst);
+  int dev = is_sim(dst) ? dst.device().index() : self.device().index();
+  claim(dev);
+  Turn turn(dev);  // a copy to or from a shared device takes its turn like a kernel
   d.copy_(host_or_self(self), non_blocking);
   return dst;
 }

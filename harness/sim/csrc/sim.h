@@ -6,7 +6,10 @@
 #include <c10/core/StorageImpl.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace sim {
 
@@ -20,12 +23,49 @@ void set_current_device(c10::DeviceIndex index) noexcept;
 // `index` if it names a simulated device, else the error torch.sim raises for it.
 int check_index(int index);
 
+// ---- placement (placement.cpp; harness/sim/placement.py says why) -------------------------------------
+// PORTHARNESS_SIM_VISIBLE_DEVICES, read live: the visible device count (-1: unset) and the physical device
+// behind logical `index`; "sim:1 (physical sim:3)" for messages.
+int visible_count() noexcept;
+int physical_index(int index) noexcept;
+std::string device_label(int dev);
+// The first use of `dev` by this process: it takes the device (exclusive) or joins its tenants (shared),
+// or raises "sim:0 is in use by process N (...)". Cheap after the first call.
+void claim(int dev);
+bool claimed(int dev) noexcept;
+bool shared(int dev) noexcept;  // claimed, and shared with other processes
+void set_fraction(int dev, double fraction);  // the per-process memory fraction (1: none)
+double fraction(int dev);
+// A shared device's memory budget across its tenants: take / give back bytes (false: it is used up),
+// its size, (bytes used by every tenant, size), and each tenant's (pid, bytes).
+bool ledger_take(int dev, int64_t bytes);
+void ledger_give(int dev, int64_t bytes);
+void ledger_set_limit(int dev, int64_t bytes);
+std::pair<int64_t, int64_t> shared_info(int dev);
+std::vector<std::pair<int, int64_t>> ledger_tenants(int dev);
+// The processes holding physical device `physical` (this one included): (pid, "exclusive" | "shared").
+std::vector<std::pair<int, std::string>> holders(int physical);
+// What an out-of-memory error adds on a shared device or past the per-process fraction ("" otherwise).
+std::string oom_context(int dev, size_t bytes, int64_t own, int64_t limit);
+// Held while a kernel runs on a shared device: its tenants' kernels take turns (nothing when the device
+// is not shared, or inside another kernel of this thread).
+class Turn {
+ public:
+  explicit Turn(int dev);
+  ~Turn();
+  Turn(const Turn&) = delete;
+  Turn& operator=(const Turn&) = delete;
+
+ private:
+  void* lock_ = nullptr;
+};
+
 // ---- memory ----------------------------------------------------------------------------------------
 // A sim storage holds host memory counted on its device until the storage dies. Its DataPtr's context
 // is a Block: the host memory is owned by `host` (allocator, resize) or kept alive by `keep` (a CPU
 // kernel's output adopted without a copy).
 c10::Allocator* allocator();
-bool account_alloc(int dev, size_t bytes, bool enforce);
+bool account_alloc(int dev, size_t bytes);  // false: the device (or this process) has no room
 void account_free(int dev, size_t bytes);
 [[noreturn]] void throw_oom(int dev, size_t bytes);
 c10::DataPtr device_data(c10::DataPtr host, c10::intrusive_ptr<c10::StorageImpl> keep, void* data, int dev,
@@ -44,6 +84,8 @@ struct MemoryStats {
 };
 MemoryStats memory_stats(int dev);
 void set_memory_limit(int dev, int64_t bytes);
+// (free, total) bytes of the device: on a shared device every tenant's use counts (claims the device)
+std::pair<int64_t, int64_t> memory_info(int dev);
 bool fits(int dev, int64_t bytes);  // counts an OOM when they do not
 void reset_peak(int dev);
 void reset_accumulated(int dev);
