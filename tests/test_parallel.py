@@ -18,7 +18,11 @@ from conftest import LIST_HEADER, list_rows
 
 from harness.parallel.spec import groups, members, parse
 
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_")}
+
+def _env() -> dict[str, str]:
+    """This test's environment without the run's switches, its own simulated host kept (conftest)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PORTHARNESS_") or k == "PORTHARNESS_SIM_NAMESPACE"}
+
 EXACT = ["--precision", "highest", "--ops", "full"]
 
 SPECS = [
@@ -64,7 +68,7 @@ def _refused(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
 
 def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in [k for k in os.environ if k.startswith("PORTHARNESS_")]:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
         monkeypatch.delenv(k)
     bert = tmp_path / "bert.csv"
     bert.write_text(LIST_HEADER + list_rows([("bert", "base"), ("distilbert", "base")]))
@@ -91,7 +95,7 @@ def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None =
     db = tmp_path / f"{name}.db"
     r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--quiet",
                         "--no-ref-cache", "--retries", "0", *extra], capture_output=True, text=True, timeout=900,
-                       env={**ENV, **(env or {})})
+                       env={**_env(), **(env or {})})
     rows = []
     if db.exists():
         with sqlite3.connect(db) as c:
