@@ -99,7 +99,9 @@ class Parallel:
         job = {"dir": str(job_dir), "entry": entry, "model_class": f"{cls.__module__}:{cls.__qualname__}",
                "settings": settings, "seed": seed, "fields": fields, "spec": str(self.spec), "devices": self.devices,
                "dist_backend": self.dist_backend, "backends": self.backends,
-               "timeout_s": max(5.0, min(120.0, self.deadline_s / 3))}
+               "timeout_s": max(5.0, min(120.0, self.deadline_s / 3)),
+               # which parameters train, as the reference has them (from_pretrained does not keep every flag)
+               "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
         (job_dir / "job.json").write_text(json.dumps(job, default=str))
         procs = self._start(job_dir)
         try:

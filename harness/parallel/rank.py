@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         mode = mode_for(job["settings"])
         plan = mode.rebuild(model, LoadedModel(model, model.config, entry, 0.0), entry, inputs, job["seed"],
                             job["fields"])
+        frozen = set(job["frozen"])
+        for n, p in model.named_parameters():
+            p.requires_grad_(n not in frozen)
         wrapped = wrap(model, spec, mesh, training=mode.name == "train", device=device)
         params = list(model.parameters())
         info["sharded_params"] = f"{sum(hasattr(p, 'placements') for p in params)} of {len(params)}"  # DTensors
