@@ -345,7 +345,7 @@ class PlacementRow:
     scenario: str
     mode: str  # how the backend's devices take processes: exclusive, shared, unknown
     settings: dict
-    outcome: str  # allowed, refused, timeout, failed
+    result: str  # allowed, refused, timeout, failed (a placement's, not a model's outcome)
     processes: int
     devices: list
     refusal: str = ""
