@@ -88,6 +88,7 @@ class Measurement:
     confirm: str = ""  # confirmed, unconfirmed (could not: confirm_note says why), hidden drift; "" not asked
     confirm_note: str = ""  # what the confirmation found, or why there was none
     parallel: dict = field(default_factory=dict)  # --parallel: the spec, the mesh, each rank's device, phase, gap
+    collectives: dict = field(default_factory=dict)  # --parallel --perf: each collective setting's step and ratio
     earlier_outcome: str = ""  # a worker that died or hung in a later phase: what the step was before (pass_declared)
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
