@@ -157,8 +157,8 @@ def test_1_a_run_whose_reference_outlasts_timeout_blames_no_device(tmp_path: Pat
     assert r.returncode == 0, r.stderr[-3000:]
     rows = results(db)
     assert [x["outcome"] for x in rows] == ["ref_timeout", "ref_timeout"], [x["error_message"] for x in rows]
-    assert all("running the fp32 CPU reference" in x["error_message"] and "raise --timeout" in x["error_message"]
-               for x in rows)
+    assert all("before the target ran" in x["error_message"] and "raise --timeout" in x["error_message"]
+               for x in rows), [x["error_message"] for x in rows]  # in whichever reference phase the clock caught it
     assert "not counted: ref_timeout 2" in r.stdout and "ran - (0/0)" in r.stdout, r.stdout
 
 

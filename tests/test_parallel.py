@@ -95,7 +95,7 @@ def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None =
     db = tmp_path / f"{name}.db"
     r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--quiet",
                         "--no-ref-cache", "--retries", "0", *extra], capture_output=True, text=True, timeout=900,
-                       env={**_env(), **(env or {})})
+                       env={**_env(), "TMPDIR": str(tmp_path), **(env or {})})  # its ranks' job dirs are under tmp_path
     rows = []
     if db.exists():
         with sqlite3.connect(db) as c:
@@ -104,8 +104,10 @@ def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None =
     return r.returncode, rows, r.stderr
 
 
-def _no_rank_left() -> None:
-    left = subprocess.run(["pgrep", "-f", "harness.parallel.rank"], capture_output=True, text=True).stdout.split()
+def _no_rank_left(tmp_path: Path) -> None:
+    """No rank of this test's runs is running (their job directories are under its tmp_path)."""
+    left = subprocess.run(["pgrep", "-f", f"harness.parallel.rank {tmp_path}"], capture_output=True,
+                          text=True).stdout.split()
     assert not left, f"rank processes left running: {left}"
 
 
@@ -131,7 +133,7 @@ def test_fsdp_training_and_tp_inference_rows_beside_their_gloo_control(tmp_path:
     assert got["tiny/bert/base"]["outcome"] == "skipped" and "no tensor-parallel plan" in got["tiny/bert/base"]["error_message"]
     assert got["tiny/llama/causal-lm"]["outcome"] == "pass", got["tiny/llama/causal-lm"]["error_message"]
     assert json.loads(got["tiny/llama/causal-lm"]["parallel"])["ranks"][0]["sharded_params"] != "0 of 0"
-    _no_rank_left()
+    _no_rank_left(tmp_path)
 
 
 @pytest.mark.long
@@ -149,4 +151,4 @@ def test_a_bug_on_one_ranks_device_is_caught_with_the_rank_named_and_a_dead_or_h
         rc, rows, err = _run(tmp_path, how, [("bert", "base")], *base, env={**plant, "PLANTED_BUG": f"at_highest:{how}"})
         assert rc == 0, err[-3000:]
         assert rows[0]["outcome"] == outcome and said in rows[0]["error_message"], rows[0]["error_message"]
-        _no_rank_left()
+        _no_rank_left(tmp_path)

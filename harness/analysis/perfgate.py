@@ -243,12 +243,11 @@ def kernel_regressions(change: PerfChange, shift: speed.Shift, base: Mapping[str
                        kind: str) -> list[KernelChange]:
     """The kernels of one model whose own time grew by `speed.KERNEL_THRESHOLD` with an interval above 1 (widened
     by `DRIFT` where either side's timing was disturbed, as the step's is), on the step's clock, the base's op
-    times scaled by the host's part of the step's change: a kernel five times slower is a regression the
-    morning after, whatever the busy host did to the step as a whole."""
-    _, scale = _added(change.quantity, shift.slowdown, base, head)
+    times scaled by how much the other ops of their profile moved: a kernel five times slower is a regression
+    the morning after, whatever the busy host did to the step as a whole."""
     why = "; ".join(d for d in (*disturbance(base), *disturbance(head)))
     out = []
-    for k in speed.kernel_shifts(base.get("profile"), head.get("profile"), scale=scale):
+    for k in speed.kernel_shifts(base.get("profile"), head.get("profile")):
         lo = k.lo / DRIFT if why else k.lo
         if k.slowdown >= speed.KERNEL_THRESHOLD and lo > 1:
             out.append(KernelChange(change.model_id, change.config, k.op, round(k.base_us, 1), round(k.head_us, 1),
