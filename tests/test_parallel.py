@@ -77,7 +77,8 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
         (["--parallel", "fdsp:2"], "'fdsp:2' is not KIND:N"),
         (["--parallel", "ddp:4"], "needs 4 devices per model, the target has 2"),
         (["--parallel", "tp:2"], "none of the 2 model(s)"),
-        (["--parallel", "ddp:2", "--perf"], "not with --perf yet"),
+        (["--parallel", "ddp:2", "--collectives", "skinny"], "only with --parallel and --perf"),
+        (["--parallel", "ddp:2", "--perf", "--collectives", "warp:9"], "warp:9"),
         (["--parallel", "ddp:2", "--compile", "eager"], "not with --compile yet"),
         (["--dist-backend", "gloo"], "only with --parallel"),
     ]
@@ -87,6 +88,52 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
     line = _refused(capsys, ["ops", "--list", bert, "--db", db, "--parallel", "ddp:2", "--quiet"])
     assert "--parallel" in line, line
     assert not db.exists()
+
+
+def test_fsdp_units_are_the_outermost_blocks() -> None:
+    """A block holding a stack of its own (T5's layer list, a ConvNeXt stage's layers) is one FSDP unit: its
+    inner blocks sharded again raised "Cannot concatenate overlapping meshes" on 8 of the 60 smoke models."""
+    import torch
+
+    from harness.parallel.wrap import blocks
+
+    def block() -> torch.nn.Module:
+        b = torch.nn.Module()
+        b.layer = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        return b
+
+    model = torch.nn.Module()
+    model.encoder = torch.nn.ModuleList([block(), block()])
+    model.decoder = torch.nn.Module()
+    model.decoder.block = torch.nn.ModuleList([block()])
+    model.head = torch.nn.ModuleList([torch.nn.Linear(2, 1)])
+    shared = block()
+    model.shared = torch.nn.ModuleList([shared, shared])  # one block used twice (ALBERT) is one unit
+    got = blocks(model)
+    assert got == [*model.encoder, model.decoder.block[0], model.head[0], shared]
+    flat = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    assert blocks(flat) == [flat[0]]
+
+
+def test_the_ranks_checkpoint_has_the_config_as_loaded() -> None:
+    """Train mode zeroes SpecAugment's mask_time_prob; a checkpoint saved so made the ranks' wav2vec2, hubert and
+    wavlm without ``masked_spec_embed`` (3 of the 60 smoke models drifted, the parameter missing on target)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    from harness.run.train import as_loaded, prepare
+
+    config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                            conv_dim=(8,), conv_stride=(5,), conv_kernel=(10,), num_feat_extract_layers=1,
+                            mask_time_prob=0.05, num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+    model = prepare(Wav2Vec2Model(config))
+    assert model.config.mask_time_prob == 0.0
+    with as_loaded(model):
+        assert model.config.mask_time_prob == 0.05
+        rebuilt = Wav2Vec2Model(Wav2Vec2Config.from_dict(model.config.to_dict()))
+    assert model.config.mask_time_prob == 0.0
+    assert {n for n, _ in rebuilt.named_parameters()} == {n for n, _ in model.named_parameters()}
+    with as_loaded(prepare(model)):  # prepared twice: still the value it was loaded with
+        assert model.config.mask_time_prob == 0.05
 
 
 def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None = None) -> tuple[int, list[dict], str]:

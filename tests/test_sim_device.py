@@ -103,6 +103,7 @@ def test_device_count_env_var():
     assert "PORTHARNESS_SIM_DEVICES='zero'" in bad.stderr
 
 
+@pytest.mark.long
 def test_autoload_entry_point_is_opt_in():
     # No harness import: with PORTHARNESS_SIM_AUTOLOAD=1 the torch.backends entry point registers sim
     # inside `import torch`; without it, importing torch leaves PrivateUse1 free for other backends.

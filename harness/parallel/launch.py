@@ -89,7 +89,10 @@ class Parallel:
         """The step on every rank; the outputs judged (see the module docstring). A rank that fails or hangs stops
         the row (`Stop`) with its fields, the rank named."""
         if not self.saved:
-            model.save_pretrained(self.dir / "model")
+            from harness.run.train import as_loaded
+
+            with as_loaded(model):  # the checkpoint rebuilds the reference's modules; the rank's mode prepares it
+                model.save_pretrained(self.dir / "model")
             torch.save(inputs, self.dir / "inputs.pt")
             self.saved = True
         self.runs += 1
