@@ -52,8 +52,9 @@ if TYPE_CHECKING:  # types only: perf runs after the target side, never imported
 WARMUP = 2  # rounds
 MIN_ROUNDS = 5  # samples a median and its interval need, whatever the budget
 ADAPT_MIN = 10  # rounds before an interval counts as tight: fewer leave the order statistics too coarse
-TIGHT = 0.05  # stop once the compared quantity's 95% interval of the median spans at most 5% (hi/lo <= 1.05):
-# two such runs give a slowdown interval of about +-3.5%, far inside the gate's 1.2x threshold
+TIGHT = 0.08  # stop once the compared quantity's 95% interval of the median spans at most 8% (hi/lo <= 1.08):
+# two such runs give a slowdown interval of about +-5.5%, far inside the gate's 1.2x threshold; at 5% a quiet
+# host's smoke list took 10-100 rounds a model and --perf cost 3.6x a plain run (scripts/perf_rates.py)
 TIGHT_DISTURBED = 0.10  # ... at most 10% while the host is disturbed: the gate then widens the interval by its
 # drift (1.15x, harness.analysis.perfgate.DRIFT), which rounds do not narrow; more of them only cost
 MAX_ROUNDS = 200  # a 1 ms model does not need thousands
