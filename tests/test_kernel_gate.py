@@ -41,9 +41,12 @@ CASES = [  # (head ops, head step ratio & spread, host, flagged op or "")
     ({**BASE, "aten::_softmax": (500.0, 480.0, 520.0)}, (1.3, 0.4), BUSY, ""),
     # 1.4x: below the kernel threshold
     ({**BASE, "aten::native_layer_norm": (140.0, 136.0, 144.0)}, (1.05, 0.3), BUSY, ""),
-    # 1.6x, tight rounds, quiet host: flagged; the same on a busy host, the widened interval still clears 1
+    # 1.6x, tight rounds, quiet host: flagged; on a busy host its interval clears 1 but the factor is within
+    # the host's drift of the threshold (a memory-bound neighbour slows some kernels more than the others: two
+    # identical smoke runs read OPT's aten::mm 1.5x [1.17-1.98]); 1.9x clears both there
     ({**BASE, "aten::native_layer_norm": (160.0, 157.0, 163.0)}, (1.06, 0.02), None, "aten::native_layer_norm"),
-    ({**BASE, "aten::native_layer_norm": (160.0, 157.0, 163.0)}, (1.06, 0.3), BUSY, "aten::native_layer_norm"),
+    ({**BASE, "aten::native_layer_norm": (160.0, 157.0, 163.0)}, (1.06, 0.3), BUSY, ""),
+    ({**BASE, "aten::native_layer_norm": (190.0, 187.0, 193.0)}, (1.08, 0.3), BUSY, "aten::native_layer_norm"),
     # 1.6x whose rounds spread enough that the host's drift could explain it: flagged quiet, not on a busy host
     ({**BASE, "aten::native_layer_norm": (160.0, 100.0, 250.0)}, (1.06, 0.02), None, "aten::native_layer_norm"),
     ({**BASE, "aten::native_layer_norm": (160.0, 100.0, 250.0)}, (1.06, 0.3), BUSY, ""),
@@ -69,7 +72,7 @@ def test_a_kernel_regression_is_a_steady_large_op_slower_beyond_noise(head_ops: 
 
 
 def test_a_disturbed_side_widens_the_kernels_interval_by_the_hosts_drift() -> None:
-    head_ops = {**BASE, "aten::native_layer_norm": (160.0, 157.0, 163.0)}
+    head_ops = {**BASE, "aten::native_layer_norm": (190.0, 187.0, 193.0)}
     quiet = gate([("m", "c", {"perf": _perf(BASE)}, {"perf": _perf(head_ops, ratio=1.06, spread=0.02)})]).kernels[0]
     busy = gate([("m", "c", {"perf": _perf(BASE, host=BUSY)},
                   {"perf": _perf(head_ops, ratio=1.06, spread=0.3, host=BUSY)})]).kernels[0]
