@@ -120,7 +120,9 @@ def test_a_list_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, c
     for x in got:  # the host as well as the device; the policy's name for a device is per node
         assert x["host"] in nodes and x["device"] == "sim:0", (x["host"], x["device"])
         assert x["attempts"][-1]["device"] == f"{x['host']}/sim:0"
-    assert {x["host"] for x in got} == nodes  # both nodes ran models
+    # which node ran which models is the scheduler's: on a loaded host the second node's actor can start after
+    # the first one has taken the whole list (seen with a build running beside the suite)
+    assert {x["host"] for x in got} <= nodes
     d = cli("diff", "--base-db", str(local), "--head-db", str(far))
     assert d.returncode == 0, d.stdout + d.stderr
     assert f"unchanged={len(SMOKE)}" in d.stdout and "regressions=0" in d.stdout, d.stdout

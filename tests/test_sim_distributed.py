@@ -28,7 +28,7 @@ from harness.comms.planner import OPS
 from harness.comms.transport import Hosts
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH_S = 420  # a launch on two busy cores: imports, Inductor compiles, transformers
+LAUNCH_S = 900  # a hang guard: a 2x2 launch on two busy cores (imports, Inductor compiles, transformers) took 451 s
 SETTINGS = "fused,skinny:16k,cap:64k,per-host:2"
 
 

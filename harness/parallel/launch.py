@@ -153,7 +153,9 @@ class Parallel:
         first: int | None = None
         while True:
             codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
+            # a rank says "done" once its outputs are written: its teardown (the process group's, the
+            # interpreter's) is not the step's, and a busy host can make it outlast the deadline
+            if all(c == 0 or (c is None and self._status(job_dir, r) == "done") for r, c in enumerate(codes)):
                 break
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed and first is None:
