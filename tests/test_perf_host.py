@@ -234,9 +234,9 @@ def test_rounds_stop_once_the_compared_quantity_is_tight() -> None:
                              wall=clock)
     assert len(noisy["wall"]["target"]) > 3 * perf.ADAPT_MIN  # +-30% rounds: it keeps going
     # on a disturbed host the gate allows for the host's drift: an interval that tight is not needed
-    loose = perf.time_rounds({"target": step(0.002, 0.03), "reference": step(0.001)}, 1.0, clocks={"wall": clock},
+    loose = perf.time_rounds({"target": step(0.002, 0.08), "reference": step(0.001)}, 1.0, clocks={"wall": clock},
                              wall=clock, tolerance=lambda: perf.TIGHT_DISTURBED)
-    strict = perf.time_rounds({"target": step(0.002, 0.03), "reference": step(0.001)}, 1.0, clocks={"wall": clock},
+    strict = perf.time_rounds({"target": step(0.002, 0.08), "reference": step(0.001)}, 1.0, clocks={"wall": clock},
                               wall=clock)
     assert len(loose["wall"]["target"]) < len(strict["wall"]["target"])
     assert not perf.tight([1.0] * 9) and perf.tight([1.0] * 10) and not perf.tight([1.0, 2.0] * 10)
