@@ -395,7 +395,7 @@ def _settings_summary(db: str, run_id: str, out: Any) -> None:
     if not wins:
         print("  collective settings (--perf): no model was timed", file=out)
         return
-    print("  collective settings (--perf), fastest: " + "; ".join(
+    print("  collective settings (--perf), fastest beyond the rounds' noise: " + "; ".join(
         f"{n} for {len(v)} model(s) (by {geomean(v):.2f}x over the baseline)" for n, v in
         sorted(wins.items(), key=lambda kv: -len(kv[1]))), file=out)
 
