@@ -1,7 +1,7 @@
 // What sim's dispatch files share (internal to csrc/; harness/sim/native.py says why each part exists).
 //
 // A sim tensor is a plain tensor whose dispatch key is PrivateUse1 and whose storage is host memory
-// (device.cpp). One boxed kernel (kernel.cpp) serves every op: it checks the op against the active
+// (allocator.cpp). One boxed kernel (kernel.cpp) serves every op: it checks the op against the active
 // profile (switches.cpp), views each sim argument as a CPU tensor on the same memory (hostview.cpp),
 // rounds the multiplier operands of the matmul family to bf16 at `default` precision (rounding.cpp),
 // enforces the same-device rule, runs the CPU kernel, and adopts the CPU outputs into sim storage.
@@ -88,9 +88,13 @@ at::Tensor rounded_operand(const at::Tensor& sim, const at::Tensor& host);
 void drop_rounded(c10::StorageImpl* s);
 void clear_rounded();
 
-// ---- device APIs (hooks.cpp) ------------------------------------------------------------------------
+// ---- device APIs: generators (generator.cpp), pinned memory (host_allocator.cpp), hooks (hooks.cpp) ----
 // The CPU generator a CPU kernel draws from for a Generator? argument on sim:dev.
 at::Generator host_generator(const std::optional<at::Generator>& g, int dev);
+at::Generator make_generator(c10::DeviceIndex index, uint64_t seed);
+const at::Generator& default_generator(int dev);
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* data);
 void register_hooks();
 
 // ---- kernels (kernel.cpp, native_kernels.cpp) -------------------------------------------------------
