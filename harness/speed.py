@@ -256,13 +256,15 @@ def top_ops(self_us: Mapping[str, float], *, min_share: float = KEEP_SHARE, limi
 # A step that is mostly other ops hides one kernel's slowdown in its own noise on a busy host (a layer norm 5x
 # slower may add 20% to a step whose rounds spread 30%); the op's own time, profiled round by round on the
 # step's clock, shows it. The profile keeps each kept op's interval of its per-round median (`op_intervals`),
-# and two profiles' ops are compared like two steps (`compare`): only an op that holds at least
+# and two profiles' ops are compared like two steps (`compare`), the base's op scaled by how much the rest of its
+# profile moved (the host's part, measured in the same profiling windows): only an op that holds at least
 # KERNEL_MIN_SHARE of the head step's op time (tiny ops are noise), whose rounds agree (their
 # interval within KERNEL_MAX_SPREAD of its median each way) and that both sides kept (an op appearing or
 # vanishing, a warm-up's doing, is never a kernel change) is judged.
 KERNEL_MIN_SHARE = 0.05
 KERNEL_MAX_SPREAD = 2.0
 KERNEL_THRESHOLD = 1.5  # a kernel regression: at least this much slower (and beyond both runs' noise)
+KERNEL_MIN_REST = 0.3  # the other ops hold at least this share of the base step: they measure the host's part
 
 
 def op_intervals(per_round: Mapping[str, Sequence[float]], ops: Iterable[str]) -> dict[str, list[float]]:
@@ -292,11 +294,12 @@ class KernelShift:
                 f"({self.share:.0%} of the step's op time)")
 
 
-def kernel_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *, scale: float = 1.0,
+def kernel_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
                   confidence: float = CONFIDENCE) -> list[KernelShift]:
     """Each op both profiles kept with an interval, large enough and steady enough to judge (see above),
-    compared head against base (the base's times scaled by the host's part of the step's change); slowest
-    first."""
+    compared head against base, the base's time scaled by how much the other ops of the same profiled steps
+    moved (the host's part: two identical runs on a host busier in one run's profiling window read 1, a
+    kernel five times slower reads 5); slowest first."""
     if not base or not head or (base.get("clock") and head.get("clock") and base["clock"] != head["clock"]):
         return []  # (a committed baseline does not say its clock: the configuration's is the same)
     b_ci, h_ci = base.get("ci") or {}, head.get("ci") or {}
@@ -312,10 +315,16 @@ def kernel_shifts(base: Mapping[str, Any] | None, head: Mapping[str, Any] | None
         (blo, bhi), (hlo, hhi) = b_ci[op], h_ci[op]
         if not _steady(b, blo, bhi) or not _steady(h, hlo, hhi):
             continue
-        shift = compare({"median": b * scale, "lo": blo * scale, "hi": bhi * scale}, {"median": h, "lo": hlo, "hi": hhi},
+        # The host's part, from the other ops of the same profiled steps: a busier moment while profiling slows
+        # every op alike (a profile is its own window, apart from the timed rounds), one kernel's change does not
+        b_rest, h_rest = b_total - b, h_total - h
+        if b_rest < KERNEL_MIN_REST * b_total or h_rest <= 0:
+            continue  # the op is nearly the whole step: the step's own gate judges it
+        host = h_rest / b_rest
+        shift = compare({"median": b * host, "lo": blo * host, "hi": bhi * host}, {"median": h, "lo": hlo, "hi": hhi},
                         threshold=KERNEL_THRESHOLD, confidence=confidence)
         if shift is not None:
-            out.append(KernelShift(op, b * scale, h, shift.slowdown, shift.lo, shift.hi, h / h_total))
+            out.append(KernelShift(op, b * host, h, shift.slowdown, shift.lo, shift.hi, h / h_total))
     return sorted(out, key=lambda k: (-k.slowdown, k.op))
 
 

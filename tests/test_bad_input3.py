@@ -266,6 +266,7 @@ def test_a_perf_baseline_with_an_infinite_median_is_refused(tmp_path: Path) -> N
         assert f"{perf_csv}:" in line and f"median {bad!r}" in line and "finite" in line, line
 
 
+@pytest.mark.long
 def test_the_speed_gate_names_only_ops_both_sides_measured(tmp_path: Path) -> None:
     """Tonight's row keeps its whole profile, the baseline its top 12 ops: with identical profiles (the
     total a little higher: noise), op 13 is not "new in this run"; an op that really grew is named."""

@@ -71,6 +71,7 @@ def test_bf16_checkpoint_loads_as_asked(bf16_dir: Path) -> None:
         load_model(entry, dtype="int8")
 
 
+@pytest.mark.long
 def test_check_a_sharded_checkpoint_records_every_phase(sharded: Path) -> None:
     rc, row = check(str(sharded), "--target", "sim:1", "--precision", "highest", "--ops", "full")
     assert (rc, row["outcome"]) == (0, "pass"), row.get("error_message")
@@ -81,6 +82,7 @@ def test_check_a_sharded_checkpoint_records_every_phase(sharded: Path) -> None:
     assert row["ops_checked"] > 30 and row["ops_sampled_out"] is None  # small: every call judged
 
 
+@pytest.mark.long
 def test_check_a_bf16_checkpoint_with_dtype_auto(bf16_dir: Path) -> None:
     rc, row = check(str(bf16_dir), "--target", "sim:1", "--dtype", "auto")
     assert row["settings"]["dtype"] == "auto"  # part of the run's identity

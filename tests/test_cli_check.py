@@ -29,6 +29,7 @@ def test_bert_passes_at_highest_precision() -> None:
     assert row["max_abs_err"] == 0.0  # highest is bit-exact against the CPU reference
 
 
+@pytest.mark.long
 def test_bert_at_default_precision_is_within_what_sim_declares() -> None:
     code, row, _ = check("tiny/bert/base", "--precision", "default")
     assert code == 0  # pass_declared counts as matched
@@ -37,6 +38,7 @@ def test_bert_at_default_precision_is_within_what_sim_declares() -> None:
     assert row["rmse_ratio"] > 1 >= row["declared_ratio"]
 
 
+@pytest.mark.long
 def test_declaring_fp32_on_bf16_hardware_is_drift_and_names_the_first_module() -> None:
     code, row, _ = check("tiny/bert/base", "--precision", "default", "--declared-precision", "fp32")
     assert code == 1
@@ -45,6 +47,7 @@ def test_declaring_fp32_on_bf16_hardware_is_drift_and_names_the_first_module() -
     assert row["first_drift_op"] in ("aten::addmm", "aten::mm", "aten::bmm")  # the matmul's own result
 
 
+@pytest.mark.long
 def test_missing_op_is_reported_by_name(tmp_path: Path) -> None:
     # gelu has no device-generic composite: a backend without its kernel cannot run it (layer norm, say,
     # has one: a backend without native_layer_norm still runs it, decomposed)

@@ -333,6 +333,7 @@ def test_nightly_local_three_nights_smoke(tmp_path: Path) -> None:
     _check_three_nights(tmp_path, nights, n_models=60)
 
 
+@pytest.mark.long
 def test_nightly_local_split_like_the_workflow(tmp_path: Path) -> None:
     """The workflow's way: one shard job per (setting, shard) with STEPS=shards into its own directory,
     the DBs gathered in one, then STEPS=night there."""

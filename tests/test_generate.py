@@ -44,6 +44,7 @@ def run(tmp_path: Path, pairs: list[tuple[str, str]], **settings: str) -> dict[s
         return {r["model_id"]: r for r in store.results().to_dict("records")}
 
 
+@pytest.mark.long
 def test_check_gpt2_decodes_eight_steps_judged_one_by_one() -> None:
     r = cli("check", "tiny/gpt2/causal-lm", "--target", "sim", "--mode", "generate", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -56,6 +57,7 @@ def test_check_gpt2_decodes_eight_steps_judged_one_by_one() -> None:
     assert row["first_drift_step"] is None and row["divergence"] == ""
 
 
+@pytest.mark.long
 def test_seq2seq_vision_text_and_a_model_without_a_generation_head(tmp_path: Path) -> None:
     rows = run(tmp_path, [("t5", "seq2seq-lm"), ("llava", "image-text-to-text"), ("bert", "masked-lm")])
     for m in ("tiny/t5/seq2seq-lm", "tiny/llava/image-text-to-text"):
@@ -146,6 +148,7 @@ def test_a_decoder_only_prompt_is_left_padded_and_decoding_is_deterministic() ->
     assert all(torch.equal(forced[step_output(k)], a.logits[k]) for k in range(3))
 
 
+@pytest.mark.long
 def test_check_of_a_model_without_a_generation_head_says_skipped_and_why() -> None:
     r = cli("check", "tiny/bert/masked-lm", "--mode", "generate")
     assert r.returncode == 0, r.stderr[-2000:]  # skipped, not failed

@@ -138,6 +138,7 @@ def test_hub_offline_uncached_says_what_to_do(offline_cache: Path) -> None:
     assert info.value.__cause__ is not None
 
 
+@pytest.mark.long
 def test_tiny_weights_identical_in_another_process(tiny_bert: torch.nn.Module) -> None:
     import subprocess
     import sys

@@ -77,7 +77,8 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
         (["--parallel", "fdsp:2"], "'fdsp:2' is not KIND:N"),
         (["--parallel", "ddp:4"], "needs 4 devices per model, the target has 2"),
         (["--parallel", "tp:2"], "none of the 2 model(s)"),
-        (["--parallel", "ddp:2", "--perf"], "not with --perf yet"),
+        (["--parallel", "ddp:2", "--collectives", "skinny"], "only with --parallel and --perf"),
+        (["--parallel", "ddp:2", "--perf", "--collectives", "warp:9"], "warp:9"),
         (["--parallel", "ddp:2", "--compile", "eager"], "not with --compile yet"),
         (["--dist-backend", "gloo"], "only with --parallel"),
     ]
@@ -89,13 +90,59 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
     assert not db.exists()
 
 
+def test_fsdp_units_are_the_outermost_blocks() -> None:
+    """A block holding a stack of its own (T5's layer list, a ConvNeXt stage's layers) is one FSDP unit: its
+    inner blocks sharded again raised "Cannot concatenate overlapping meshes" on 8 of the 60 smoke models."""
+    import torch
+
+    from harness.parallel.wrap import blocks
+
+    def block() -> torch.nn.Module:
+        b = torch.nn.Module()
+        b.layer = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        return b
+
+    model = torch.nn.Module()
+    model.encoder = torch.nn.ModuleList([block(), block()])
+    model.decoder = torch.nn.Module()
+    model.decoder.block = torch.nn.ModuleList([block()])
+    model.head = torch.nn.ModuleList([torch.nn.Linear(2, 1)])
+    shared = block()
+    model.shared = torch.nn.ModuleList([shared, shared])  # one block used twice (ALBERT) is one unit
+    got = blocks(model)
+    assert got == [*model.encoder, model.decoder.block[0], model.head[0], shared]
+    flat = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    assert blocks(flat) == [flat[0]]
+
+
+def test_the_ranks_checkpoint_has_the_config_as_loaded() -> None:
+    """Train mode zeroes SpecAugment's mask_time_prob; a checkpoint saved so made the ranks' wav2vec2, hubert and
+    wavlm without ``masked_spec_embed`` (3 of the 60 smoke models drifted, the parameter missing on target)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    from harness.run.train import as_loaded, prepare
+
+    config = Wav2Vec2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                            conv_dim=(8,), conv_stride=(5,), conv_kernel=(10,), num_feat_extract_layers=1,
+                            mask_time_prob=0.05, num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2)
+    model = prepare(Wav2Vec2Model(config))
+    assert model.config.mask_time_prob == 0.0
+    with as_loaded(model):
+        assert model.config.mask_time_prob == 0.05
+        rebuilt = Wav2Vec2Model(Wav2Vec2Config.from_dict(model.config.to_dict()))
+    assert model.config.mask_time_prob == 0.0
+    assert {n for n, _ in rebuilt.named_parameters()} == {n for n, _ in model.named_parameters()}
+    with as_loaded(prepare(model)):  # prepared twice: still the value it was loaded with
+        assert model.config.mask_time_prob == 0.05
+
+
 def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None = None) -> tuple[int, list[dict], str]:
     lst = tmp_path / f"{name}.csv"
     lst.write_text(LIST_HEADER + list_rows(pairs))
     db = tmp_path / f"{name}.db"
     r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--quiet",
                         "--no-ref-cache", "--retries", "0", *extra], capture_output=True, text=True, timeout=900,
-                       env={**_env(), **(env or {})})
+                       env={**_env(), "TMPDIR": str(tmp_path), **(env or {})})  # its ranks' job dirs are under tmp_path
     rows = []
     if db.exists():
         with sqlite3.connect(db) as c:
@@ -104,8 +151,10 @@ def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None =
     return r.returncode, rows, r.stderr
 
 
-def _no_rank_left() -> None:
-    left = subprocess.run(["pgrep", "-f", "harness.parallel.rank"], capture_output=True, text=True).stdout.split()
+def _no_rank_left(tmp_path: Path) -> None:
+    """No rank of this test's runs is running (their job directories are under its tmp_path)."""
+    left = subprocess.run(["pgrep", "-f", f"harness.parallel.rank {tmp_path}"], capture_output=True,
+                          text=True).stdout.split()
     assert not left, f"rank processes left running: {left}"
 
 
@@ -131,7 +180,7 @@ def test_fsdp_training_and_tp_inference_rows_beside_their_gloo_control(tmp_path:
     assert got["tiny/bert/base"]["outcome"] == "skipped" and "no tensor-parallel plan" in got["tiny/bert/base"]["error_message"]
     assert got["tiny/llama/causal-lm"]["outcome"] == "pass", got["tiny/llama/causal-lm"]["error_message"]
     assert json.loads(got["tiny/llama/causal-lm"]["parallel"])["ranks"][0]["sharded_params"] != "0 of 0"
-    _no_rank_left()
+    _no_rank_left(tmp_path)
 
 
 @pytest.mark.long
@@ -149,4 +198,4 @@ def test_a_bug_on_one_ranks_device_is_caught_with_the_rank_named_and_a_dead_or_h
         rc, rows, err = _run(tmp_path, how, [("bert", "base")], *base, env={**plant, "PLANTED_BUG": f"at_highest:{how}"})
         assert rc == 0, err[-3000:]
         assert rows[0]["outcome"] == outcome and said in rows[0]["error_message"], rows[0]["error_message"]
-        _no_rank_left()
+        _no_rank_left(tmp_path)

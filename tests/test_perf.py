@@ -31,6 +31,7 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env=dict(os.environ))
 
 
+@pytest.mark.long
 def test_check_perf_reports_latency_spread_rounds_and_profile() -> None:
     res = cli("check", "tiny/gpt2/causal-lm", "--target", "sim", "--perf", "--perf-budget", "0.3", "--json")
     row = json.loads(res.stdout)

@@ -313,7 +313,7 @@ def test_every_scenario_on_cpu_is_allowed_and_identical(tmp_path: Path) -> None:
     rows = _rows(r.stdout)
     assert list(rows) == ["per-chip", "host", "shared:2", "rl"]
     for name, row in rows.items():
-        assert row["outcome"] == "allowed" and row["identical"] is True and row["mode"] == "shared", (name, row)
+        assert row["result"] == "allowed" and row["identical"] is True and row["mode"] == "shared", (name, row)
         assert row["slowdown"] > 0 and row["slowdown_lo"] <= row["slowdown"] <= row["slowdown_hi"]
     assert rows["rl"]["latest_weights"] is True and rows["rl"]["handoff_ms"] > 0
     assert rows["per-chip"]["visibility"] == "not restricted (the backend names no visibility variable)"
@@ -331,15 +331,15 @@ def test_sim_exclusive_refuses_a_second_process_and_shared_allows_it(tmp_path: P
     r = _cli("placement", "--target", "sim", "--json", "--db", str(db), *QUICK)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = _rows(r.stdout)
-    assert rows["per-chip"]["outcome"] == "allowed" and rows["per-chip"]["identical"] is True
+    assert rows["per-chip"]["result"] == "allowed" and rows["per-chip"]["identical"] is True
     assert rows["per-chip"]["visibility"] == "each process saw only its own device (PORTHARNESS_SIM_VISIBLE_DEVICES)"
     assert [p["identity"] for p in rows["per-chip"]["per_process"]] == [["portharness sim accelerator 0"],
                                                                         ["portharness sim accelerator 1"]]
-    assert rows["host"]["outcome"] == "allowed" and rows["host"]["per_process"][0]["devices"] == ["sim:0", "sim:1"]
+    assert rows["host"]["result"] == "allowed" and rows["host"]["per_process"][0]["devices"] == ["sim:0", "sim:1"]
     for name, second in (("shared:2", "p1"), ("rl", "generator")):
         row = rows[name]
         holder = row["per_process"][0]
-        assert row["outcome"] == "refused" and row["refused_role"] == second and row["mode"] == "exclusive"
+        assert row["result"] == "refused" and row["refused_role"] == second and row["mode"] == "exclusive"
         assert row["refusal"].startswith(f"sim:0 is in use by process {holder['pid']} ") and row["holder"] == holder["pid"]
         assert row["holder_role"] == holder["role"] and row["refusal_s"] < 1.0 and row["identical"] is None
     shared = _cli("placement", "--target", "sim", "--json", "--db", str(db), *QUICK,
@@ -347,14 +347,14 @@ def test_sim_exclusive_refuses_a_second_process_and_shared_allows_it(tmp_path: P
     assert shared.returncode == 0, shared.stderr[-3000:]
     rows = _rows(shared.stdout)
     for name, row in rows.items():
-        assert row["outcome"] == "allowed" and row["identical"] is True and row["mode"] == "shared", (name, row)
+        assert row["result"] == "allowed" and row["identical"] is True and row["mode"] == "shared", (name, row)
     assert rows["rl"]["latest_weights"] is True
     assert all(p["peak_mb"] > 0 for p in rows["shared:2"]["per_process"])
     from harness.results.store import ResultStore
 
     with ResultStore(db, read_only=True) as store:
         stored = store.placements()
-    assert sorted(zip(stored["mode"], stored["scenario"], stored["outcome"], strict=True)) == sorted(
+    assert sorted(zip(stored["mode"], stored["scenario"], stored["result"], strict=True)) == sorted(
         [("exclusive", "per-chip", "allowed"), ("exclusive", "host", "allowed"), ("exclusive", "shared:2", "refused"),
          ("exclusive", "rl", "refused")] + [("shared", s, "allowed") for s in ("per-chip", "host", "shared:2", "rl")])
 
@@ -367,7 +367,7 @@ def test_a_process_that_hangs_is_a_timeout_row_naming_it_and_nothing_is_left(tmp
     row = _rows(r.stdout)["rl"]
     gen = next(p for p in row["per_process"] if p["role"] == "generator")
     # the frozen generator is named as stopped; the trainer, blocked handing it weights, as waiting
-    assert row["outcome"] == "timeout" and f"generator (pid {gen['pid']}, collecting the trainer's weights, " \
+    assert row["result"] == "timeout" and f"generator (pid {gen['pid']}, collecting the trainer's weights, " \
         "stopped)" in row["error"], row["error"]
     assert "portharness placement: rl: timeout: past the 25 s deadline" in r.stderr
     for p in row["per_process"]:

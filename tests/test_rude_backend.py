@@ -106,6 +106,7 @@ def test_late_errors_stay_with_the_model_that_caused_them(toy_python: Path, tmp_
     assert (alone["outcome"], alone["unsupported_op"]) == (bert["outcome"], bert["unsupported_op"]), c.stderr[-2000:]
 
 
+@pytest.mark.long
 @SHAPES_SLOW
 def test_a_healthy_single_device_run_finishes_with_its_device_in_service(toy_python: Path, tmp_path: Path,
                                                                          shape: str) -> None:

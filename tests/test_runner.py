@@ -191,6 +191,7 @@ def test_resume_refuses_a_corrupt_db_and_leaves_it_alone(tmp_path: Path) -> None
     assert db.read_bytes() == before
 
 
+@pytest.mark.long
 def test_unknown_model_and_bad_list_exit_2(tmp_path: Path) -> None:
     res = cli("check", "tiny/bert/nonsense-head")
     assert res.returncode == 2 and "unknown" in res.stderr
@@ -202,6 +203,7 @@ def test_unknown_model_and_bad_list_exit_2(tmp_path: Path) -> None:
     assert res.returncode == 2 and "precision" in res.stderr
 
 
+@pytest.mark.long
 def test_check_json_row(tmp_path: Path) -> None:
     db = tmp_path / "c.db"
     res = cli("check", "tiny/bert/base", "--precision", "highest", "--json", "--db", str(db))

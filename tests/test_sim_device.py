@@ -18,7 +18,8 @@ import harness.sim as sim
 def _python(
     code: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PORTHARNESS_SIM_", "TORCH_DEVICE"))}
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("PORTHARNESS_SIM_", "TORCH_DEVICE")) or k == "PORTHARNESS_SIM_NAMESPACE"}
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout
@@ -102,6 +103,7 @@ def test_device_count_env_var():
     assert "PORTHARNESS_SIM_DEVICES='zero'" in bad.stderr
 
 
+@pytest.mark.long
 def test_autoload_entry_point_is_opt_in():
     # No harness import: with PORTHARNESS_SIM_AUTOLOAD=1 the torch.backends entry point registers sim
     # inside `import torch`; without it, importing torch leaves PrivateUse1 free for other backends.

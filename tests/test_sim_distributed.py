@@ -175,7 +175,9 @@ def test_wrong_use_fails_fast_and_names_the_rank(tmp_path) -> None:
         _wait(procs, 120)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
-    r0, r1 = launch("misuse", 2, "misuse")
+    # shared devices: each rank may touch the other's device (a tensor it makes there is then the group's to
+    # refuse; exclusive ownership would refuse it first, at its first use: that is placement's test)
+    r0, r1 = launch("misuse", 2, "misuse", PORTHARNESS_SIM_SHARING="shared")
     for found in (r0, r1):
         assert found["first"]["error"] == ""
         assert "No backend type associated with device type cpu" in found["cpu_tensor"]["error"]
@@ -196,7 +198,7 @@ def test_wrong_use_fails_fast_and_names_the_rank(tmp_path) -> None:
 
     for found in launch("too_many_ranks", 3, "misuse"):
         assert "world size 3 is larger than sim's 2 devices" in found["init"]["error"] and found["init"]["s"] < 2
-    for found in launch("same_device", 2, "same_device"):
+    for found in launch("same_device", 2, "same_device", PORTHARNESS_SIM_SHARING="shared"):  # the group's rule
         assert "Duplicate sim device detected: rank 0 and rank 1 both on sim:0" in found["first_collective"]["error"]
 
 

@@ -159,6 +159,7 @@ def test_inductor_generates_kernels_for_sim_and_matmuls_keep_its_precision():
     torch.testing.assert_close(rounded.cpu(), eager.cpu())
 
 
+@pytest.mark.long
 def test_a_planted_compiler_bug_changes_compiled_sim_code_only(tmp_path, monkeypatch):
     """erf-tanh rewrites erf in Inductor's code for sim graphs: exact GELU comes out as tanh GELU when
     compiled for sim, never eagerly, never on the CPU, and not after the switch is off (the FX graph
@@ -252,6 +253,7 @@ def test_autocast_uses_cudas_op_lists():
     assert lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device.type == "sim"
 
 
+@pytest.mark.long
 def test_inductor_serves_sim_when_it_compiled_for_the_cpu_before_sim_was_imported():
     """Inductor registers its devices once, at its first compile: sim imported after a CPU compile must
     still get its code generators (it failed with InductorError KeyError 'sim')."""

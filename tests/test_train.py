@@ -50,6 +50,7 @@ def _bert() -> tuple[torch.nn.Module, dict]:
     return model, {**inputs, **make_labels(model, model.config, "masked-lm", inputs)}
 
 
+@pytest.mark.long
 def test_bert_masked_lm_train_step_passes_with_gradient_metrics() -> None:
     rc, row = check("tiny/bert/masked-lm", "--target", "sim:1", "--mode", "train", *EXACT)
     assert (rc, row["outcome"]) == (0, "pass"), row.get("error_message")
@@ -64,6 +65,7 @@ def test_bert_masked_lm_train_step_passes_with_gradient_metrics() -> None:
     assert row["ops_checked"] > 150  # backward and optimizer kernels judged too (the forward alone: 36 calls)
 
 
+@pytest.mark.long
 def test_planted_gradient_bug_is_drift_named_by_parameter_and_kernel() -> None:
     rc, row = check("tiny/bert/masked-lm", "--target", "sim:1", "--mode", "train", "--numerics-bug", "grad-scale",
                     *EXACT)
@@ -96,6 +98,7 @@ def test_a_drifting_kernel_without_a_parameter_still_names_one() -> None:
     assert "the gradient it moved most" in row["error_message"]
 
 
+@pytest.mark.long
 def test_a_backward_kernel_is_placed_in_the_module_whose_forward_made_it() -> None:
     """A bias gradient is a sum over the batch in backward: no module runs and no parameter is an input;
     the autograd node says which module's forward op it differentiates."""
@@ -161,6 +164,7 @@ def test_a_gradient_that_cancels_to_zero_is_judged_by_its_familys_floor() -> Non
     assert outcome(compare_outputs(ref, buggy, oracle, family)) == "drift"  # a 1e-3 bug still shows
 
 
+@pytest.mark.long
 def test_fixed_reduction_when_the_head_takes_no_labels() -> None:
     rc, row = check("tiny/gpt2/base", "--target", "sim:1", "--mode", "train", *EXACT)
     assert row["outcome"] == "pass" and row["loss_kind"].startswith("reduction")

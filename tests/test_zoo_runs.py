@@ -48,6 +48,7 @@ def test_smoke_list_is_bit_exact_on_sim_at_highest_precision(tmp_path: Path) -> 
     assert len(by_outcome.get("pass", [])) >= 0.9 * len(rows), {k: len(v) for k, v in by_outcome.items()}
 
 
+@pytest.mark.long
 def test_smoke_list_on_the_young_default_backend(tmp_path: Path) -> None:
     """Default sim settings: bf16 matmul operands are what sim declares, so models leave the fp32 envelope
     but stay inside the declared one (pass_declared, never drift); the partial op set blocks some models."""

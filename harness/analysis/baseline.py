@@ -298,7 +298,8 @@ class CheckResult:
 
     @property
     def ok(self) -> bool:
-        return not self.gating and not (self.perf is not None and (self.perf.regressions or self.perf.kernels))
+        return not self.gating and not (self.perf is not None and (self.perf.regressions or self.perf.kernels
+                                                                     or self.perf.settings))
 
     def by_status(self, status: str) -> list[ModelStatus]:
         return [v for v in self.verdicts if v.status == status]

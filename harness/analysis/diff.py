@@ -85,7 +85,7 @@ class DiffResult:
     @property
     def failed(self) -> bool:
         """Whether the gate fails: a regression, a perf regression, or a kernel regression."""
-        return bool(self.regressions or self.perf.regressions or self.perf.kernels)
+        return bool(self.regressions or self.perf.regressions or self.perf.kernels or self.perf.settings)
 
     def regression_groups(self) -> list[tuple[str, list[Change]]]:
         """Regressions grouped by the head row's failure fingerprint, biggest group first: 157 models
@@ -102,6 +102,7 @@ class DiffResult:
         out["n_regressions"] = len(self.regressions)
         out["n_perf_regressions"] = len(self.perf.regressions)
         out["n_kernel_regressions"] = len(self.perf.kernels)
+        out["n_setting_regressions"] = len(self.perf.settings)
         out["n_perf_inconclusive"] = len(self.perf.inconclusive)
         out["perf"] = self.perf.to_dict()
         out["regression_groups"] = [
@@ -430,12 +431,13 @@ def format_summary(res: DiffResult, *, limit: int = 50) -> str:
     section("added", res.added)
     section("removed", res.removed)
     lines += format_gate(res.perf, limit=limit)
-    n_perf, n_kernel = len(res.perf.regressions), len(res.perf.kernels)
+    n_perf, n_kernel, n_set = len(res.perf.regressions), len(res.perf.kernels), len(res.perf.settings)
     verdict = [f"{n_reg} regression(s)"] if n_reg else []
     verdict += [f"{n_perf} perf regression(s)"] if n_perf else []
     verdict += [f"{n_kernel} kernel regression(s)"] if n_kernel else []
+    verdict += [f"{n_set} collective setting(s) costing more"] if n_set else []
     n_open = len(res.perf.inconclusive)
     verdict += [f"{n_open} perf inconclusive (not counted)"] if n_open else []
-    lines.append("\nRESULT: " + (", ".join(verdict) if n_reg or n_perf or n_kernel
+    lines.append("\nRESULT: " + (", ".join(verdict) if n_reg or n_perf or n_kernel or n_set
                                   else ", ".join(["no regressions", *verdict])))
     return "\n".join(lines)

@@ -34,6 +34,11 @@ from harness import speed
 QUANTITIES = {"ratio": "target/reference", "target": "target latency"}
 
 
+def quantity_label(q: str) -> str:
+    """What a change compared: a quantity, or a collective setting's ratio to its baseline (``setting:NAME``)."""
+    return QUANTITIES.get(q) or f"{q.removeprefix('setting:')} / baseline setting"
+
+
 @dataclass
 class PerfChange:
     """One (model, configuration) whose speed moved beyond noise."""
@@ -87,6 +92,7 @@ class PerfGate:
     inconclusive: list[PerfChange] = field(default_factory=list)  # could be slower; the host cannot tell (not gating)
     faster: list[PerfChange] = field(default_factory=list)  # informational
     kernels: list[KernelChange] = field(default_factory=list)  # gating: a kernel slower beyond noise, the step not
+    settings: list[PerfChange] = field(default_factory=list)  # gating: a collective setting's cost grew beyond noise
     compared: int = 0  # models with a speed on both sides
     geomean: float | None = None  # of every compared model's slowdown (head / base)
 
@@ -237,17 +243,40 @@ def kernel_regressions(change: PerfChange, shift: speed.Shift, base: Mapping[str
                        kind: str) -> list[KernelChange]:
     """The kernels of one model whose own time grew by `speed.KERNEL_THRESHOLD` with an interval above 1 (widened
     by `DRIFT` where either side's timing was disturbed, as the step's is), on the step's clock, the base's op
-    times scaled by the host's part of the step's change: a kernel five times slower is a regression the
-    morning after, whatever the busy host did to the step as a whole."""
-    _, scale = _added(change.quantity, shift.slowdown, base, head)
+    times scaled by how much the other ops of their profile moved: a kernel five times slower is a regression
+    the morning after, whatever the busy host did to the step as a whole."""
     why = "; ".join(d for d in (*disturbance(base), *disturbance(head)))
     out = []
-    for k in speed.kernel_shifts(base.get("profile"), head.get("profile"), scale=scale):
+    for k in speed.kernel_shifts(base.get("profile"), head.get("profile")):
         lo = k.lo / DRIFT if why else k.lo
         if k.slowdown >= speed.KERNEL_THRESHOLD and lo > 1:
             out.append(KernelChange(change.model_id, change.config, k.op, round(k.base_us, 1), round(k.head_us, 1),
                                     k.slowdown, lo, k.hi * DRIFT if why else k.hi, round(k.share, 4),
                                     step=f"{shift.describe()}{' (' + kind + ')' if kind != UNCHANGED else ''}", why=why))
+    return out
+
+
+def collective_shifts(model: str, config: str, base: Mapping[str, Any] | None, head: Mapping[str, Any] | None, *,
+                      threshold: float = speed.DEFAULT_THRESHOLD) -> list[tuple[PerfChange, str]]:
+    """Each collective setting both rows timed (`--parallel --perf --collectives`), its ratio to the baseline
+    setting compared night to night like a step (`judge`: a regression beyond both runs' noise and the host's,
+    else inconclusive where the host could hide one)."""
+    b, h = (r.get("collectives") if isinstance(r, Mapping) else None for r in (base, head))
+    if not isinstance(b, Mapping) or not isinstance(h, Mapping) or b.get("baseline") != h.get("baseline"):
+        return []
+    out = []
+    for name, hs in (h.get("settings") or {}).items():
+        bs = (b.get("settings") or {}).get(name)
+        if not isinstance(bs, Mapping) or not isinstance(hs.get("ratio"), Mapping) or not isinstance(bs.get("ratio"), Mapping):
+            continue
+        shift = speed.compare(bs["ratio"], hs["ratio"], threshold=threshold)
+        if shift is None:
+            continue
+        kind, why = judge(shift, {"host": b.get("host")}, {"host": h.get("host")}, threshold=threshold)
+        if kind in (REGRESSION, INCONCLUSIVE):
+            out.append((PerfChange(model, config, f"setting:{name}", float(bs["ratio"]["median"]),
+                                   float(hs["ratio"]["median"]), shift.slowdown, shift.lo, shift.hi,
+                                   detail=f"{name} / {h['baseline']}: {shift.describe()}", why=why), kind))
     return out
 
 
@@ -267,6 +296,8 @@ def gate(pairs: list[tuple[str, str, Mapping[str, Any] | None, Mapping[str, Any]
     res = PerfGate(threshold=threshold)
     slowdowns = []
     for model, config, b_row, h_row in pairs:
+        for change, kind in collective_shifts(model, config, b_row, h_row, threshold=threshold):
+            (res.settings if kind == REGRESSION else res.inconclusive if kind == INCONCLUSIVE else []).append(change)
         b, h = perf_of(b_row), perf_of(h_row)
         if b is None or h is None:
             continue
@@ -299,7 +330,7 @@ def gate(pairs: list[tuple[str, str, Mapping[str, Any] | None, Mapping[str, Any]
 
 def format_gate(res: PerfGate, *, limit: int = 50) -> list[str]:
     """Text lines for a summary: the perf regressions (gating), the allowlisted and the faster ones."""
-    if not res.compared:
+    if not res.compared and not res.settings:
         return []
     gm = f"; geometric mean head/base {res.geomean:.3f}" if res.geomean else ""
     lines = [f"\nspeed: {res.compared} model(s) compared{gm}; regression = >= {res.threshold:g}x slower with the "
@@ -310,7 +341,7 @@ def format_gate(res: PerfGate, *, limit: int = 50) -> list[str]:
             return
         lines.append(f"\n{title} ({len(items)}):")
         for c in items[:limit]:
-            what = QUANTITIES[c.quantity]
+            what = quantity_label(c.quantity)
             note = f"  [{c.note}]" if c.note else ""
             note += f"  ({c.why})" if c.why else ""
             lines.append(f"  {c.model_id}  [{c.config}]  {what} {c.base:.4g} -> {c.head:.4g}: {c.detail}{note}")
@@ -318,6 +349,7 @@ def format_gate(res: PerfGate, *, limit: int = 50) -> list[str]:
             lines.append(f"  ... and {len(items) - limit} more")
 
     section(f"PERF REGRESSIONS > {res.threshold:g}x", res.regressions)
+    section(f"COLLECTIVE SETTINGS COSTING MORE > {res.threshold:g}x (their ratio to the baseline setting)", res.settings)
     if res.kernels:
         lines.append(f"\nKERNEL REGRESSIONS >= {speed.KERNEL_THRESHOLD:g}x, the step not a regression ({len(res.kernels)}):")
         for k in res.kernels[:limit]:

@@ -92,6 +92,16 @@ class Adapter:
                              "(--backend) or name the c10d backend (--dist-backend)")
         return name
 
+    def collective_setting(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """The context that runs this process's collectives under setting `name` (`--collectives`: e.g. fused,
+        skinny, bucket:25m, cap:1m), entered by every rank alike; ValueError for a setting the backend does not
+        have. A vendor's adapter (`register_adapter`) implements it for its own knobs. CUDA's counterparts are
+        per process, fixed when the communicator is made (NCCL_ALGO, NCCL_PROTO, NCCL_MIN/MAX_NCHANNELS,
+        NCCL_BUFFSIZE; DDP's bucket_cap_mb and FSDP2's reshard_after_forward are arguments of the wrapping):
+        they need a launch per setting, not an interleaved timing, and are not offered here yet."""
+        raise ValueError(f"--collectives {name}: the {self.kind} backend declares no collective settings that can "
+                         "change between steps (a backend's adapter implements Adapter.collective_setting)")
+
     @property
     def ray_resource(self) -> str:
         """The Ray resource one device of this type is: Ray's own accelerator resource where it has one

@@ -28,6 +28,17 @@ class SimAdapter(Adapter):
 
         return super().dist_backend()
 
+    def collective_setting(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """sim's switches (harness.comms.settings' grammar: fused, skinny[:PIECE], bucket:SIZE, cap:SIZE,
+        per-host[:N], joined by '+'), which shape every collective its c10d backend plans."""
+        import harness.sim.distributed as simdist
+
+        try:
+            setting = simdist.parse_setting(name)
+        except ValueError as e:
+            raise ValueError(f"--collectives {name}: {e}") from None
+        return simdist.collective_settings(setting)
+
     def device_count(self) -> int:
         self.load()
         import torch

@@ -93,7 +93,7 @@ class PlacementResult:
     backend: str
     mode: str  # the backend's sharing: exclusive, shared, unknown
     scenario: str
-    outcome: str = "allowed"  # allowed, refused, timeout, failed
+    result: str = "allowed"  # allowed, refused, timeout, failed
     processes: int = 0
     devices: list = field(default_factory=list)
     refusal: str = ""
@@ -207,15 +207,15 @@ def summarize_scenario(cfg: PlacementConfig, scenario: str, adapter: Any, p: Pla
     res.per_process = [_process(role, raw) for role in p.roles]
     for role, msg in raw.stopped.items():
         if msg["ev"] == "refused" and not res.refusal:
-            res.outcome, res.refusal, res.refused_role = "refused", msg["error"], role
+            res.result, res.refusal, res.refused_role = "refused", msg["error"], role
             res.holder, res.refusal_s = msg.get("holder"), msg.get("after_s")
             res.holder_role = next((r for r, pid in raw.pids.items() if pid == res.holder), "")
         elif msg["ev"] == "failed" and not res.error:
-            res.outcome, res.error = "failed", f"{role} ({msg.get('phase')}): {msg['error']}"
+            res.result, res.error = "failed", f"{role} ({msg.get('phase')}): {msg['error']}"
     if raw.timed_out:
-        res.outcome = "timeout"
+        res.result = "timeout"
         res.error = f"past the {cfg.timeout_s:g} s deadline: {', '.join(raw.timed_out)} had not answered; killed"
-    if res.outcome == "refused":
+    if res.result == "refused":
         res.detail = (f"{res.refused_role} refused at its first use of the device"
                       + (f" ({res.refusal_s * 1e3:.1f} ms)" if res.refusal_s is not None else "")
                       + (f"; held by {res.holder_role or 'process'} (pid {res.holder})" if res.holder else ""))
@@ -224,7 +224,7 @@ def summarize_scenario(cfg: PlacementConfig, scenario: str, adapter: Any, p: Pla
         worst = max(timed, key=lambda x: x["slowdown"])
         res.slowdown, res.slowdown_lo, res.slowdown_hi = worst["slowdown"], worst["lo"], worst["hi"]
     same = [x["identical"] for x in res.per_process if "identical" in x]
-    res.identical = all(same) if same and res.outcome == "allowed" else None
+    res.identical = all(same) if same and res.result == "allowed" else None
     peaks = [x["peak_mb"] for x in res.per_process if x.get("peak_mb") is not None]
     res.peak_mb = max(peaks) if peaks else None
     if scenario == "rl":
@@ -252,8 +252,8 @@ def problems(results: list[PlacementResult]) -> list[str]:
     a visibility variable that did not restrict. A refusal is the backend's answer, not a problem."""
     out = []
     for r in results:
-        if r.outcome in ("timeout", "failed"):
-            out.append(f"{r.scenario}: {r.outcome}: {r.error}")
+        if r.result in ("timeout", "failed"):
+            out.append(f"{r.scenario}: {r.result}: {r.error}")
         if r.identical is False:
             out.append(f"{r.scenario}: numbers differ from running alone")
         if r.latest_weights is False:
@@ -329,14 +329,14 @@ def _yn(v: bool | None) -> str:
     return "-" if v is None else ("yes" if v else "NO")
 
 
-COLUMNS = ("scenario", "outcome", "procs", "peak MiB", "slowdown [95%]", "identical", "latest weights", "detail")
+COLUMNS = ("scenario", "result", "procs", "peak MiB", "slowdown [95%]", "identical", "latest weights", "detail")
 
 
 def format_table(results: list[PlacementResult], cfg: PlacementConfig) -> str:
     """The rows as a terminal table, then each process's own numbers, then what the columns mean."""
     head = (f"placement on {cfg.target} ({results[0].backend}, devices {results[0].mode})" if results
             else f"placement on {cfg.target}") + f": {cfg.steps} timed steps per phase, timeout {cfg.timeout_s:g} s"
-    rows = [(r.scenario, r.outcome, str(r.processes), "-" if r.peak_mb is None else f"{r.peak_mb:.1f}",
+    rows = [(r.scenario, r.result, str(r.processes), "-" if r.peak_mb is None else f"{r.peak_mb:.1f}",
              _x(r.slowdown, r.slowdown_lo, r.slowdown_hi), _yn(r.identical), _yn(r.latest_weights),
              (r.detail or r.visibility or (f"handoff {r.handoff_ms:.1f} ms" if r.handoff_ms else ""))[:80])
             for r in results]

@@ -116,6 +116,10 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                         "tp:N (the model's tensor-parallel plan) or fsdp:N,tp:M; every rank fed the whole batch, the "
                         "outputs (and gradients) judged against the single-device CPU reference (part of the run's "
                         "identity)")
+    p.add_argument("--collectives", default=None, metavar="SETTINGS",
+                   help="with --parallel --perf: time each model's parallel step under each collective setting, "
+                        "interleaved (comma-separated, the first the baseline; sim: fused, skinny[:PIECE], "
+                        "bucket:SIZE, cap:SIZE, per-host[:N], joined by '+')")
     p.add_argument("--dist-backend", dest="dist_backend", default=None, metavar="NAME",
                    help="with --parallel: the c10d backend of the target's process groups (default: the one its "
                         "backend registered for the device type, e.g. sim's, nccl for cuda, gloo for cpu)")

@@ -104,6 +104,7 @@ def _run_config(args: argparse.Namespace, **overrides: Any):
     _acting(args, settings)
     given = {k: getattr(args, a) for k, a in (("compile_timeout_s", "compile_timeout"), ("perf_budget_s", "perf_budget"))
              if getattr(args, a) is not None}
+    overrides.setdefault("collectives", _collectives(args, adapter))
     config = RunConfig(target=args.target, settings=settings, timeout_s=args.timeout, backends=modules,
                        load_timeout_s=args.load_timeout, compile_cache=args.compile_cache,
                        mem_cap_mb=args.mem_cap_mb or None, seed=args.seed, localize=not args.no_localize,
@@ -126,6 +127,26 @@ def _tp_models(text: str, entries: list[Any], list_name: str) -> None:
                              "shard by; use ddp:N or fsdp:N, or a list of families that have one")
 
 
+def _collectives(args: argparse.Namespace, adapter: Any) -> list[str]:
+    """--collectives (each setting checked by the target's adapter), or the run's own setting alone where --perf
+    times a parallel step without it; [] without --perf."""
+    from harness.parallel.timing import DEFAULT
+
+    given = getattr(args, "collectives", None)
+    if given is not None and not (args.parallel and args.perf):
+        raise ValueError(f"--collectives {given}: only with --parallel and --perf (what each setting costs a model's "
+                         "parallel step)")
+    if not (args.parallel and args.perf):
+        return []
+    names = [n.strip() for n in (given or DEFAULT).split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--collectives {given}: name each setting once, e.g. fused,skinny,bucket:1m")
+    for name in names:
+        if name != DEFAULT:
+            adapter.collective_setting(name)  # ValueError: not a setting of this backend
+    return names
+
+
 def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
     """--parallel (canonical: one spelling per identity) and --dist-backend, checked before anything runs: a
     spec that reads, a target with a process-group backend, and what --parallel cannot run beside yet."""
@@ -136,7 +157,7 @@ def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
     from harness.parallel.spec import parse
 
     spec = parse(args.parallel)
-    for given, flag in ((getattr(args, "compile", None), "--compile"), (args.perf, "--perf"),
+    for given, flag in ((getattr(args, "compile", None), "--compile"),
                         (getattr(args, "executor", "local") != "local", "--executor ray"),
                         (getattr(args, "harvest", False), "--harvest")):
         if given:
@@ -333,7 +354,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if summary.quarantined:
         print(f"  quarantined devices: {', '.join(summary.quarantined)}"
               + (f"; hot spares brought in: {', '.join(summary.spares_used)}" if summary.spares_used else ""), file=human)
-    if config.perf:
+    if config.collectives:
+        _settings_summary(args.db, summary.run_id, human)
+    elif config.perf:
         _speed_summary(args.db, summary.run_id, human)
     if summary.unfinished:
         print(f"  {summary.unfinished} models unfinished: rerun with --resume", file=sys.stderr)
@@ -354,6 +377,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(asdict(summary), indent=2))
     return 0 if not summary.unfinished and not summary.never_worked else 1
+
+
+def _settings_summary(db: str, run_id: str, out: Any) -> None:
+    """`run --parallel --perf`'s last line: which collective setting was fastest for how many models."""
+    from harness.parallel.timing import fastest
+    from harness.results.store import ResultStore
+    from harness.speed import geomean
+
+    with ResultStore(db, read_only=True) as store:
+        rows = store.results(run_id)
+    wins: dict[str, list[float]] = {}
+    for c in rows["collectives"] if "collectives" in rows.columns else []:
+        won = fastest(c) if isinstance(c, dict) else None
+        if won is not None:
+            wins.setdefault(won[0], []).append(won[1])
+    if not wins:
+        print("  collective settings (--perf): no model was timed", file=out)
+        return
+    print("  collective settings (--perf), fastest: " + "; ".join(
+        f"{n} for {len(v)} model(s) (by {geomean(v):.2f}x over the baseline)" for n, v in
+        sorted(wins.items(), key=lambda kv: -len(kv[1]))), file=out)
 
 
 def _speed_summary(db: str, run_id: str, out: Any, slowest: int = 5) -> None:

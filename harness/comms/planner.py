@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -72,12 +73,15 @@ def _collective(op: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(self: ShapedCollectives, *args: object) -> torch.futures.Future:
+            t0 = time.perf_counter()
             try:
                 return fn(self, *args)
             except (Misuse, ValueError, TypeError, dist.DistBackendError):
                 raise
             except RuntimeError as exc:
                 raise self.peers.explain(op, exc) from exc
+            finally:  # serialised pieces whole, asynchronous messages until issued: a step's share in collectives
+                self.busy_s += time.perf_counter() - t0
 
         return run
 

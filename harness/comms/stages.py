@@ -36,6 +36,7 @@ class Stages:
         self._sub: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.sent = 0  # messages issued on the transports (what the settings multiply), for measurements
+        self.busy_s = 0.0  # seconds in the planner's collective calls (harness.parallel.timing: the share)
 
     def _subgroup(self, key: tuple, ranks: Sequence[int]):
         """Member-only transport over group ranks ``ranks``, made on first use (all members reach it together)."""

@@ -43,6 +43,7 @@ class RunConfig:
     perf: bool = False  # time each model's step after its verdict (harness.run.perf); not part of the run's identity
     perf_budget_s: float = 1.0  # seconds of timed rounds per model (harness.run.context.DEFAULT_BUDGET_S)
     harvest: bool = False  # record each model's op calls as variations (run --harvest); not part of the run's identity
+    collectives: list[str] = field(default_factory=list)  # --parallel --perf: collective settings timed per model
 
     @property
     def budgets(self) -> Budgets:

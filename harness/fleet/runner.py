@@ -406,7 +406,7 @@ class _Run:
                     perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
                     quiet_lock=self.quiet_lock, quiet_wait_s=min(30.0, self.cfg.timeout_s / 4),
                     kind=self.kind, variation=dict(self.variations.get(job.id, {})), harvest=self.cfg.harvest,
-                    timeout_s=self.cfg.timeout_s)
+                    timeout_s=self.cfg.timeout_s, collectives=list(self.cfg.collectives))
         w.send(job, task_payload(task))
 
     def _on(self, ev: Event) -> None:

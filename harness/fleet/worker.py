@@ -92,7 +92,8 @@ def _dispatch(task: Task, on_phase: Callable[[str], None]) -> Measurement:
     if task.settings.get("parallel"):
         from harness.parallel.launch import for_task
 
-        parallel = for_task(task.settings, task.target, task.backends, deadline_s=0.8 * task.timeout_s, env={})
+        parallel = for_task(task.settings, task.target, task.backends, deadline_s=0.8 * task.timeout_s, env={},
+                            collectives=task.collectives)
         try:
             return run_one(task, on_phase, parallel=parallel)
         finally:

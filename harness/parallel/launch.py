@@ -52,7 +52,7 @@ class Parallel:
     """One model's parallel target side, on the group `devices` (one rank each)."""
 
     def __init__(self, spec: str, devices: list[str], *, backends: list[str], dist_backend: str,
-                 deadline_s: float, env: dict[str, str] | None = None) -> None:
+                 deadline_s: float, env: dict[str, str] | None = None, collectives: list[str] | None = None) -> None:
         self.spec: ParallelSpec = parse(spec)
         self.devices = list(devices)
         if len(self.devices) != self.spec.world:
@@ -64,6 +64,8 @@ class Parallel:
         self.runs = 0
         self.ranks: list[dict[str, Any]] = []  # the last run's per-rank record (the row's `parallel`)
         self.note = ""
+        self.collectives = list(collectives or [])  # --perf: the settings the first run times (timing.py)
+        self.timed: dict[str, Any] = {}  # their summary: the row's `collectives`
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -87,7 +89,10 @@ class Parallel:
         """The step on every rank; the outputs judged (see the module docstring). A rank that fails or hangs stops
         the row (`Stop`) with its fields, the rank named."""
         if not self.saved:
-            model.save_pretrained(self.dir / "model")
+            from harness.run.train import as_loaded
+
+            with as_loaded(model):  # the checkpoint rebuilds the reference's modules; the rank's mode prepares it
+                model.save_pretrained(self.dir / "model")
             torch.save(inputs, self.dir / "inputs.pt")
             self.saved = True
         self.runs += 1
@@ -101,7 +106,8 @@ class Parallel:
                "dist_backend": self.dist_backend, "backends": self.backends,
                "timeout_s": max(5.0, min(120.0, self.deadline_s / 3)),
                # which parameters train, as the reference has them (from_pretrained does not keep every flag)
-               "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
+               "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
+               "collectives": self.collectives if self.runs == 1 else []}  # the judged settings' step only
         (job_dir / "job.json").write_text(json.dumps(job, default=str))
         procs = self._start(job_dir)
         try:
@@ -113,6 +119,13 @@ class Parallel:
             for p in procs:
                 p.wait(timeout=30)
         outs = [torch.load(job_dir / f"rank{r}.out.pt", weights_only=False) for r in range(len(procs))]
+        timed = self.ranks[0].pop("collectives", None)
+        for r in self.ranks:
+            r.pop("collectives", None)
+        if timed:
+            from harness.parallel.timing import summary
+
+            self.timed = summary(timed, self.collectives)
         return self._judged(outs, reference)
 
     def _start(self, job_dir: Path) -> list[subprocess.Popen]:
@@ -244,7 +257,7 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def for_task(settings: dict[str, Any], target: str, backends: list[str], deadline_s: float,
-             env: dict[str, str]) -> Parallel | None:
+             env: dict[str, str], collectives: list[str] | None = None) -> Parallel | None:
     """The strategy for a task whose settings name a parallel spec (None: one device)."""
     spec = settings.get("parallel")
     if not spec:
@@ -253,6 +266,6 @@ def for_task(settings: dict[str, Any], target: str, backends: list[str], deadlin
 
     return Parallel(spec, members(target), backends=backends,
                     dist_backend=settings.get("dist_backend") or adapter_for(target).dist_backend(),
-                    deadline_s=deadline_s, env=env)
+                    deadline_s=deadline_s, env=env, collectives=collectives)
 
 

@@ -110,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
             out = plan.step(wrapped, on_device)
             adapter.synchronize(device_name)
             info["step_s"] = round(time.perf_counter() - t0, 4)
+            if job.get("collectives"):  # what each collective setting costs this step (timing.py)
+                say("timing")
+                from harness.comms.planner import for_group
+                from harness.parallel.timing import rounds
+
+                planners = [p for p in {for_group(mesh.get_group(d)) for d in range(mesh.ndim)} if p is not None]
+                for p in planners:
+                    p.check = False  # time the settings, not a mismatch check no production backend makes
+                info["collectives"] = rounds(lambda: plan.step(wrapped, on_device), job["collectives"],
+                                             adapter.collective_setting, lambda: adapter.synchronize(device_name),
+                                             planners)
         torch.save(unwrap_names(out), job_dir / f"rank{rank}.out.pt")
         (job_dir / f"rank{rank}.info.json").write_text(json.dumps(info))
         say("done")

@@ -2,8 +2,11 @@
 
 - ``ddp``: `DistributedDataParallel` around the model (only a training step has anything to reduce: in
   inference and decoding every rank runs its own replica, as a DDP job's ranks do);
-- ``fsdp``: FSDP2 (`fully_shard`) on each block of the model's layer stacks (the children of each
-  `nn.ModuleList`), then on the root, over the data-parallel dimension;
+- ``fsdp``: FSDP2 (`fully_shard`) on each block of the model's outermost layer stacks (the children of each
+  `nn.ModuleList` not inside another block: a block that holds a stack of its own, as T5's and ConvNeXt's
+  do, is one unit), then on the root, over the data-parallel dimension. 0-d parameters (CLIP's
+  ``logit_scale``), which FSDP2 cannot shard, stay whole on every rank: every rank steps on the same batch,
+  so their local gradients are the reduced ones;
 - ``tp``: transformers' own tensor-parallel plan (``from_pretrained(..., tp_plan="auto")``), loaded by the
   rank (`rank.load_model`); a 2-D spec is transformers' own too (``DistributedConfig(tp_size, fsdp_size)``, or
   ``dp_replicate_size`` for ddp), as its users train: here only what wraps a 1-D data-parallel model.
@@ -29,11 +32,18 @@ def tp_plan(config: Any) -> dict[str, str]:
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's layer blocks: the children of each `nn.ModuleList` (transformer layers, encoder blocks)."""
+    """The model's layer blocks: the children of each outermost `nn.ModuleList` (transformer layers, encoder
+    blocks, a vision model's stages). Sharding a block inside another sharded block would shard its
+    parameters twice ("Cannot concatenate overlapping meshes")."""
     out: list[torch.nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, torch.nn.ModuleList):
-            out.extend(m.children())
+    taken: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.ModuleList) or any(name.startswith(t + ".") for t in taken):
+            continue
+        for child_name, child in m.named_children():
+            if child not in out:
+                out.append(child)
+                taken.append(f"{name}.{child_name}" if name else child_name)
     return out
 
 
@@ -46,9 +56,10 @@ def wrap(model: torch.nn.Module, spec: ParallelSpec, mesh: Any, *, training: boo
         return model  # a 2-D spec: transformers' DistributedConfig applied the data-parallel dimension on loading
     dp = mesh
     if "fsdp" in spec.kinds:
+        whole = {p for p in model.parameters() if p.dim() == 0} or None
         for block in blocks(model):
-            fully_shard(block, mesh=dp)
-        fully_shard(model, mesh=dp)
+            fully_shard(block, mesh=dp, ignored_params=whole)
+        fully_shard(model, mesh=dp, ignored_params=whole)
         return model
     if "ddp" in spec.kinds and training:
         from torch.nn.parallel import DistributedDataParallel

@@ -28,7 +28,7 @@ from harness.analysis.worklist import Worklist
 from harness.analysis.worklist import load as load_worklist
 from harness.files import safe_name
 from harness.outcomes import COLOURS, OUTCOMES
-from harness.report.collectives import collective_faults_view, collectives_view
+from harness.report.collectives import collective_faults_view, collectives_view, model_settings_view
 from harness.report.links import Command, row_links
 from harness.report.nightly import regression_groups_view, trend_view
 from harness.report.parallel import in_parallel, page_workers
@@ -358,12 +358,11 @@ def _render_ops(
     )
 
 
-def _render_collectives(site: _Site, data: _RunData) -> None:
+def _render_collectives(site: _Site, data: _RunData, hrefs: dict[str, str]) -> None:
     # Name the benchmark run only when it is not the run the rest of the site shows.
     other_run = data.coll_run if data.coll_run and data.coll_run != data.run_id else ""
-    site.render(
-        "collectives.html", "collectives.html", groups=collectives_view(data.coll), coll_run=other_run
-    )
+    site.render("collectives.html", "collectives.html", groups=collectives_view(data.coll), coll_run=other_run,
+                per_model=model_settings_view(data.df, hrefs))
 
 
 def _render_collective_faults(site: _Site, data: _RunData) -> None:
@@ -477,7 +476,7 @@ def _build(env: jinja2.Environment, stage: Path, data: _RunData, db_path: str | 
         _render_ops(site, df, cov, opinfo_csv, hrefs, work)
         _render_worklist(site, work, hrefs)
         site.render("drift.html", "drift.html", **drift_view(df, hrefs))
-        _render_collectives(site, data)
+        _render_collectives(site, data, hrefs)
         _render_collective_faults(site, data)
         if not data.placements.empty:
             site.render("placement.html", PLACEMENT_PAGE, **placement_view(data.placements))

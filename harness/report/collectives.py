@@ -144,3 +144,45 @@ def collective_faults_view(faults: pd.DataFrame) -> dict[str, Any]:
         })
     labels = [{"backend": b, "world_size": w, "setting": s} for b, w, s in columns]
     return {"columns": labels, "grid": grid, "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# What each collective setting costs each sharded model (--parallel --perf --collectives)
+# ----------------------------------------------------------------------------------------------
+
+
+def model_settings_view(df: pd.DataFrame, hrefs: dict[str, str]) -> dict[str, Any]:
+    """Per model and setting its step and ratio to the baseline setting (the table); per architecture the
+    geometric mean of each setting's ratio (a chart and a table); and which setting is fastest for how many
+    models, by how much (the summary's line)."""
+    from harness.parallel.timing import fastest
+    from harness.speed import geomean
+
+    if df.empty or "collectives" not in df.columns:
+        return {"rows": [], "archs": [], "fastest": [], "svg": ""}
+    rows, by_arch, best = [], {}, {}
+    for r in records(df):
+        c = r.get("collectives")
+        if not isinstance(c, dict) or not c.get("settings"):
+            continue
+        arch = _text(r.get("model_id")).split("/")[1] if _text(r.get("model_id")).count("/") >= 2 else ""
+        for name, s in c["settings"].items():
+            ratio = s.get("ratio") or {}
+            rows.append({"model": _text(r["model_id"]), "href": hrefs.get(_text(r["model_id"])), "arch": arch,
+                         "spec": _text((r.get("parallel") or {}).get("spec")), "setting": name,
+                         "baseline": c.get("baseline"), "step_ms": fmt((s.get("step") or {}).get("median", 0) * 1e3),
+                         "ratio": fmt(ratio.get("median")) if ratio else "1",
+                         "interval": f"{fmt(ratio.get('lo'))}-{fmt(ratio.get('hi'))}" if ratio else "",
+                         "messages": s.get("messages"), "share": fmt(s.get("share"))})
+            if ratio:
+                by_arch.setdefault((arch, name), []).append(ratio.get("median"))
+        won = fastest(c)
+        if won is not None:
+            best.setdefault(won[0], []).append(won[1])
+    archs = [{"arch": a, "setting": n, "models": len(v), "geomean": fmt(geomean(v))} for (a, n), v in sorted(by_arch.items())]
+    per_setting: dict[str, list[float]] = {}
+    for (_, n), v in by_arch.items():
+        per_setting.setdefault(n, []).extend(v)
+    bars = [{"label": n, "value": geomean(v)} for n, v in sorted(per_setting.items())]
+    wins = [{"setting": n, "models": len(v), "by": fmt(geomean(v))} for n, v in sorted(best.items(), key=lambda kv: -len(kv[1]))]
+    return {"rows": rows, "archs": archs, "fastest": wins, "svg": svg_bars(bars) if bars else ""}

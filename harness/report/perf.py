@@ -13,7 +13,7 @@ import pandas as pd
 
 from harness import speed
 from harness.analysis.matrix import perf_summary, perf_table
-from harness.analysis.perfgate import QUANTITIES, PerfChange, PerfGate, disturbance
+from harness.analysis.perfgate import PerfChange, PerfGate, disturbance, quantity_label
 from harness.report.svg import as_number, svg_spread
 from harness.report.views import fmt, records
 
@@ -80,7 +80,7 @@ def perf_diff_view(res: PerfGate, hrefs: dict[str, str]) -> dict[str, Any]:
 
     def rows(items: list[PerfChange]) -> list[dict[str, Any]]:
         return [{"model": c.model_id, "href": hrefs.get(c.model_id), "config": c.config,
-                 "quantity": QUANTITIES[c.quantity], "base": fmt(c.base), "head": fmt(c.head),
+                 "quantity": quantity_label(c.quantity), "base": fmt(c.base), "head": fmt(c.head),
                  "slowdown": fmt(c.slowdown), "op": c.op, "detail": c.detail,
                  "note": "; ".join(x for x in (c.note, c.why) if x)} for c in items]
 
@@ -99,6 +99,8 @@ def perf_diff_view(res: PerfGate, hrefs: dict[str, str]) -> dict[str, Any]:
              rows(res.regressions)),
             (f"Kernel regressions (an op at least {speed.KERNEL_THRESHOLD:g}x slower beyond both runs' noise; the step "
              "as a whole not a regression)", "regression", kernels),
+            (f"Collective settings costing more (a setting's ratio to the baseline setting at least {res.threshold:g}x "
+             "higher, beyond both runs' noise)", "regression", rows(res.settings)),
             ("Perf allowlist: slower, known-noisy (not counted)", "", rows(res.allowlisted)),
             ("Perf inconclusive: the host was too disturbed to tell (not counted; rerun on a quieter host)",
              "inconclusive", rows(res.inconclusive)),

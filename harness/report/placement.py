@@ -51,11 +51,11 @@ def placement_view(rows: pd.DataFrame) -> dict[str, Any]:
 
     out = []
     for r in sorted(records(rows), key=order):
-        ok = _text(r["outcome"]) in ("allowed", "refused") and as_number(r.get("identical")) != 0 \
+        ok = _text(r["result"]) in ("allowed", "refused") and as_number(r.get("identical")) != 0 \
             and as_number(r.get("latest_weights")) != 0
         out.append({
             "target": _text(r["target"]), "mode": _text(r["mode"]), "scenario": _text(r["scenario"]),
-            "outcome": _text(r["outcome"]), "ok": ok, "processes": _text(r.get("processes")),
+            "result": _text(r["result"]), "ok": ok, "processes": _text(r.get("processes")),
             "peak_mb": fmt(r.get("peak_mb")), "slowdown": _times(r.get("slowdown"), r.get("slowdown_lo"), r.get("slowdown_hi")),
             "identical": _tri(r.get("identical")), "latest_weights": _tri(r.get("latest_weights")),
             "handoff_ms": fmt(r.get("handoff_ms")), "refusal": _text(r.get("refusal")),

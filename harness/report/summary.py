@@ -16,6 +16,7 @@ from harness.analysis.diff import DiffResult
 from harness.analysis.fingerprint import FailureGroup
 from harness.analysis.matrix import confirm_counts, outcome_counts, pass_rates
 from harness.outcomes import NOT_THE_MODELS, OUTCOMES, headline
+from harness.report.collectives import model_settings_view
 from harness.report.nightly import groups_view
 from harness.report.svg import svg_outcome_bar
 from harness.report.views import VERSION_KEYS, as_text, op_anchor, records
@@ -77,6 +78,7 @@ def summary_view(
             k: sorted({as_text(v) for v in df[k]} - {""}) if not df.empty else [] for k in VERSION_KEYS
         },
         "rates": {by: _rates(df, by) for by in ("arch", "task", "modality")},
+        "settings_fastest": model_settings_view(df, hrefs)["fastest"],  # --parallel --perf --collectives
         "runs": [{k: as_text(v) for k, v in r.items() if k != "settings"} for r in records(runs)],
         "configs": configs,
         "diff": None

@@ -88,6 +88,7 @@ class Measurement:
     confirm: str = ""  # confirmed, unconfirmed (could not: confirm_note says why), hidden drift; "" not asked
     confirm_note: str = ""  # what the confirmation found, or why there was none
     parallel: dict = field(default_factory=dict)  # --parallel: the spec, the mesh, each rank's device, phase, gap
+    collectives: dict = field(default_factory=dict)  # --parallel --perf: each collective setting's step and ratio
     earlier_outcome: str = ""  # a worker that died or hung in a later phase: what the step was before (pass_declared)
     metrics: dict = field(default_factory=dict)
     nonfinite: bool = False  # the target produced NaN/inf where the reference did not
@@ -345,7 +346,7 @@ class PlacementRow:
     scenario: str
     mode: str  # how the backend's devices take processes: exclusive, shared, unknown
     settings: dict
-    outcome: str  # allowed, refused, timeout, failed
+    result: str  # allowed, refused, timeout, failed (a placement's, not a model's outcome)
     processes: int
     devices: list
     refusal: str = ""

@@ -44,6 +44,7 @@ class Task:
     variation: dict = field(default_factory=dict)  # kind "variation": its signature (entry["id"] is its id)
     harvest: bool = False  # kind "model": also record the reference step's op calls (run --harvest)
     timeout_s: float = 600.0  # the job's --timeout: a parallel step's ranks are stopped before it
+    collectives: list[str] = field(default_factory=list)  # --parallel --perf: the settings its step is timed under
 
 
 class Stop(Exception):

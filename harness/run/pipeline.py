@@ -305,8 +305,10 @@ def _parallel_side(run: ModelRun, variant: Variant) -> TargetSide:
     t0 = time.perf_counter()
     out = run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
                            seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref)
-    return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None,
-                      row={"parallel": run.parallel.fields()})
+    row: dict[str, Any] = {"parallel": run.parallel.fields()}
+    if run.parallel.timed:
+        row["collectives"] = run.parallel.timed
+    return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None, row=row)
 
 
 def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:

@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +52,10 @@ _RANDOM = re.compile(r"dropout|drop_prob|drop_path|pdrop|layerdrop|layer_drop|ji
                      r"mask_feature_prob")
 
 
+# What prepare() zeroed on each config (by id; the config held weakly): `as_loaded` puts it back.
+_ZEROED: dict[int, tuple[weakref.ref, dict[str, float]]] = {}
+
+
 def _zero_random_floats(obj: Any, seen: set[int]) -> None:
     if id(obj) in seen:
         return
@@ -56,6 +63,13 @@ def _zero_random_floats(obj: Any, seen: set[int]) -> None:
     for name, value in list(vars(obj).items()):
         if isinstance(value, float) and not isinstance(value, bool) and value > 0 and _RANDOM.search(name):
             setattr(obj, name, 0.0)
+            if type(obj).__name__.endswith("Config"):
+                key = id(obj)
+                ref, zeroed = _ZEROED.get(key, (None, {}))
+                if ref is None or ref() is not obj:
+                    zeroed = {}
+                    _ZEROED[key] = (weakref.ref(obj, lambda _, k=key: _ZEROED.pop(k, None)), zeroed)
+                zeroed[name] = value
         elif type(value).__name__.endswith("Config") and hasattr(value, "to_dict"):  # sub-configs
             _zero_random_floats(value, seen)
 
@@ -72,6 +86,32 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
         if config is not None and hasattr(config, "to_dict"):
             _zero_random_floats(config, seen)
     return model
+
+
+@contextmanager
+def as_loaded(model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s configs with the random settings `prepare` zeroed as they were loaded, for saving a checkpoint
+    that rebuilds the same modules (wav2vec2 makes ``masked_spec_embed`` only while ``mask_time_prob`` > 0);
+    zeroed again after."""
+    configs, todo, seen = [], [getattr(model, "config", None)], set()
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen or not hasattr(c, "to_dict"):
+            continue
+        seen.add(id(c))
+        ref, zeroed = _ZEROED.get(id(c), (None, {}))
+        if ref is not None and ref() is c:
+            configs.append((c, zeroed))
+        todo.extend(v for v in vars(c).values() if type(v).__name__.endswith("Config"))
+    for c, zeroed in configs:
+        for name, value in zeroed.items():
+            setattr(c, name, value)
+    try:
+        yield
+    finally:
+        for c, zeroed in configs:
+            for name in zeroed:
+                setattr(c, name, 0.0)
 
 
 def _loss(out: Any, use_model_loss: bool, seed: int) -> torch.Tensor:
