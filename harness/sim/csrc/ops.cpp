@@ -120,7 +120,11 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
   if (hk != host_kernels().end()) info->host_kernel = hk->second;
   bool wraps_host_kernel = false;
   for (const std::string& f : info->functional) wraps_host_kernel = wraps_host_kernel || host_kernels().count(f) > 0;
-  info->device_composite = info->composite && (kDeviceComposite.count(info->full) > 0 ||
+  // A Storage argument has no host view: a composite taking one (set.source_Storage, the functional set_)
+  // runs on the sim tensors, its set_ on sim's storage.
+  bool takes_storage = false;
+  for (const auto& a : args) takes_storage = takes_storage || a.type()->kind() == c10::TypeKind::StorageType;
+  info->device_composite = info->composite && (kDeviceComposite.count(info->full) > 0 || takes_storage ||
                                                (info->host_kernel == nullptr && wraps_host_kernel));
   info->histc = info->full == "aten::histc.default";
   return info;

@@ -23,10 +23,15 @@
 //   is unsigned (1), and gcd(min, 0) stays min.
 // - native_group_norm_backward without a weight: the CPU's kernel fails ("tensor does not have a device",
 //   torch 2.13); no weight is a weight of ones.
+// - histc of float16/bfloat16: the CPU counts in the input's dtype (bfloat16 stops counting at 256 per bin);
+//   the counts are integers, cast to the dtype once.
+// - flip of complex32, and kaiser_window of a complex dtype: the CPU has no such kernels; a flip moves
+//   elements whole (their 32 bits), a complex window is the real one.
 // - _lazy_clone: the CPU's copy-on-write needs a plain host allocation, which sim's storage is not; a
 //   lazy clone is a clone whose copy is deferred, so sim copies at once.
 #include "dispatch.h"
 
+#include <ATen/native/Resize.h>
 #include <ATen/ops/special_i0e.h>
 
 #include <cmath>
@@ -62,14 +67,31 @@ void logit_backward(const c10::OperatorHandle& op, Stack* stack) {
   out.copy_(at::where(neg_zero, grad / (x * (1 - x)), out));
 }
 
+at::Tensor stable_kaiser(int64_t length, bool periodic, double beta);
+
 void kaiser_window(const c10::OperatorHandle& op, Stack* stack) {
   const c10::FunctionSchema& s = op.schema();
   int64_t length = arg(op, stack, "window_length").toInt();
   bool periodic = s.argumentIndexWithName("periodic").has_value() ? arg(op, stack, "periodic").toBool() : true;
   double beta = s.argumentIndexWithName("beta").has_value() ? arg(op, stack, "beta").toDouble() : 12.0;
+  // the CPU makes no complex window (its arange lacks complex): the real window, made complex
+  std::optional<at::ScalarType> complex;
+  if (s.argumentIndexWithName("dtype").has_value()) {
+    IValue& dtype = arg(op, stack, "dtype");
+    if (!dtype.isNone() && c10::isComplexType(dtype.toScalarType())) {
+      complex = dtype.toScalarType();
+      dtype = IValue(static_cast<int64_t>(c10::toRealValueType(*complex)));
+    }
+  }
   cpu(op, stack);
   at::Tensor out = stack->back().toTensor();
-  if (std::isnan(beta) || out.numel() < 2 || at::isfinite(out).all().item<bool>()) return;
+  if (!std::isnan(beta) && out.numel() >= 2 && !at::isfinite(out).all().item<bool>()) {
+    out.copy_(stable_kaiser(length, periodic, beta));
+  }
+  if (complex.has_value()) stack->back() = IValue(out.to(*complex));
+}
+
+at::Tensor stable_kaiser(int64_t length, bool periodic, double beta) {
   int64_t n = periodic ? length + 1 : length;
   at::Tensor k = at::arange(n, at::TensorOptions().dtype(at::kDouble));
   double center = static_cast<double>(n - 1) / 2;
@@ -82,8 +104,7 @@ void kaiser_window(const c10::OperatorHandle& op, Stack* stack) {
     // I0(a) / I0(beta) = i0e(a) / i0e(beta) * exp(a - beta): no intermediate overflows
     w = at::special_i0e(arg_) / at::special_i0e(at::scalar_tensor(beta, at::kDouble)) * (arg_ - beta).exp();
   }
-  if (periodic) w = w.slice(0, 0, length);
-  out.copy_(w);
+  return periodic ? w.slice(0, 0, length) : w;
 }
 
 void ldexp(const c10::OperatorHandle& op, Stack* stack) {
@@ -164,6 +185,31 @@ void group_norm_backward(const c10::OperatorHandle& op, Stack* stack) {
   cpu(op, stack);
 }
 
+void histc(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  if (x.scalar_type() != at::kHalf && x.scalar_type() != at::kBFloat16) return cpu(op, stack);
+  at::Tensor counts = at::histc(x.to(at::kFloat), arg(op, stack, "bins").toInt(), arg(op, stack, "min").toScalar(),
+                                arg(op, stack, "max").toScalar());
+  if (!op.schema().argumentIndexWithName("out").has_value()) {
+    torch::jit::drop(*stack, op.schema().arguments().size());
+    return torch::jit::push(*stack, counts.to(x.scalar_type()));
+  }
+  at::Tensor out = arg(op, stack, "out").toTensor();
+  if (out.scalar_type() != x.scalar_type()) return cpu(op, stack);  // the CPU's error
+  at::native::resize_output(out, counts.sizes());
+  out.copy_(counts);
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  torch::jit::push(*stack, out);
+}
+
+void flip(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  if (x.scalar_type() != at::kComplexHalf) return cpu(op, stack);
+  at::Tensor r = at::flip(x.view(at::kInt), arg(op, stack, "dims").toIntVector()).view(at::kComplexHalf);
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  torch::jit::push(*stack, r);
+}
+
 void lazy_clone(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor self = arg(op, stack, "self").toTensor();
   torch::jit::drop(*stack, op.schema().arguments().size());
@@ -189,6 +235,8 @@ void add_semantic_kernels(std::map<std::string, HostKernel>& table) {
   for (const char* n : {"aten::gcd.default", "aten::gcd.out", "aten::gcd_.default"}) table[n] = &gcd;
   table["aten::native_group_norm_backward.default"] = &group_norm_backward;
   table["aten::_lazy_clone.default"] = &lazy_clone;
+  for (const char* n : {"aten::histc.default", "aten::histc.out"}) table[n] = &histc;
+  table["aten::flip.default"] = &flip;
 }
 
 }  // namespace sim::detail

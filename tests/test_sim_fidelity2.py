@@ -1,0 +1,129 @@
+"""sim under the peer conformance suite (issue 49): regressions for what torchcts found, and the suite itself.
+
+The fast cases stand for its suites without needing it: recurrent layers and their training (autograd,
+training: the fused cells PyTorch asks any accelerator for), SyncBatchNorm's kernels (multi_device), the
+functional ``set`` with a storage and half-precision histc (generated, operators), the manifest that
+declares what sim lacks. The edge contracts where the CPU kernel is defective are
+``harness.sim.contracts`` (tests/test_sim_fidelity.py). ``-m slow`` runs torchcts itself at level 2 on
+sim and the CPU (scripts/cts_table.py; ``pip install --no-deps torchcts==0.4.1``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harness.sim as sim
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _full_highest():
+    with sim.op_profile("full"), sim.precision("highest"):
+        yield
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_recurrent_layer_trains_on_sim_as_on_cpu(kind: str):
+    torch.manual_seed(0)
+    ref = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True)
+    dev = getattr(torch.nn, kind)(3, 4, num_layers=2, batch_first=True).to("sim")
+    dev.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 3)
+    for model, inp in ((ref, x), (dev, x.to("sim"))):
+        out, _ = model(inp)
+        out.square().mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), dev.parameters(), strict=True):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-5, atol=1e-6, msg=f"{kind} grad {name}")
+
+
+def test_sync_batch_norm_kernels_match_batch_norm():
+    # SyncBatchNorm's path with one process: stats per device, gathered with counts, then elemt
+    x = torch.randn(4, 3, 5)
+    mean, invstd = torch.batch_norm_stats(x.to("sim"), 1e-5)
+    rm, rv = torch.zeros(3, device="sim"), torch.ones(3, device="sim")
+    gmean, ginvstd = torch.batch_norm_gather_stats_with_counts(
+        x.to("sim"), mean[None], invstd[None], rm, rv, 0.1, 1e-5, torch.tensor([20.0], device="sim"))
+    y = torch.batch_norm_elemt(x.to("sim"), None, None, gmean, ginvstd, 1e-5)
+    want_rm, want_rv = torch.zeros(3), torch.ones(3)
+    want = F.batch_norm(x, want_rm, want_rv, training=True, momentum=0.1, eps=1e-5)
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rm.cpu(), want_rm)
+    torch.testing.assert_close(rv.cpu(), want_rv)
+
+
+def test_fused_attention_entry_matches_math():
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    out = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        q.to("sim"), k.to("sim"), v.to("sim"), None, 0.0, True)[0]
+    torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_functional_set_with_a_storage():
+    src = torch.arange(6.0, device="sim")
+    got = torch.ops.aten.set.source_Storage_storage_offset(torch.empty(0, device="sim"), src.untyped_storage(),
+                                                           1, [2, 2], [2, 1])
+    assert got.device.type == "sim"
+    torch.testing.assert_close(got.cpu(), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_histc_counts_are_integers(dtype: torch.dtype):
+    x = torch.full((4062,), 0.5, dtype=dtype)
+    got = torch.histc(x.to("sim"), bins=1, min=0.0, max=1.0)
+    assert got.dtype == dtype
+    assert got.item() == torch.tensor(4062.0).to(dtype).item()  # the CPU: 4060 (fp16), 512 (bf16)
+
+
+def _cts_table():
+    spec = importlib.util.spec_from_file_location("cts_table", REPO / "scripts" / "cts_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_manifest_declares_what_sim_lacks(tmp_path: Path):
+    pytest.importorskip("torchcts")
+    cts = _cts_table()
+    ns: dict = {}
+    exec(cts.write_manifest(tmp_path / "sim", "complete", "sim").read_text(), ns)
+    m = ns["manifest"]
+    assert (m["device_name"], m["backend_import"], m["device_count"]) == ("sim", "harness.sim", 2)
+    assert not any(m["capabilities"][c] for c in cts.SIM_UNSUPPORTED)
+    assert m["capabilities"]["streams"] and m["capabilities"]["multi_device"]
+    ns = {}
+    exec(cts.write_manifest(tmp_path / "cpu", "complete", "cpu").read_text(), ns)
+    assert ns["manifest"]["device_name"] == "cpu" and ns["manifest"]["capabilities"]["sparse"]
+
+
+def test_table_classifies_against_the_control():
+    cts = _cts_table()
+    sim_res = {"operators/a": {"status": "FAIL", "semantic_level": 2},  # sim-only
+               "operators/b": {"status": "ERROR", "semantic_level": 2},  # the CPU fails too
+               "generated/c": {"status": "FAIL", "semantic_level": 2},  # the CPU does not run it
+               "generated/d": {"status": "SKIP", "semantic_level": 1, "skip_reason": "capability_not_declared",
+                               "detail": "capability 'sparse' is not declared"},
+               "generated/e": {"status": "PASS", "semantic_level": 5}}  # above the level
+    cpu_res = {"operators/a": {"status": "PASS"}, "operators/b": {"status": "FAIL"},
+               "generated/d": {"status": "PASS"}}
+    table = cts.classify(sim_res, cpu_res, 4, ["operators", "generated"])
+    assert table["operators"] == {"failed": 2, "sim-only": 1}
+    assert table["generated"] == {"failed": 1, "accelerator": 1, "declared": 1}
+
+
+@pytest.mark.slow
+def test_peer_suite_level2_has_no_sim_only_failure(tmp_path: Path):
+    pytest.importorskip("torchcts")
+    fails = tmp_path / "failures.txt"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "cts_table.py"), "--level", "2", "--out",
+                    str(tmp_path), "--failures", str(fails)], check=True, timeout=4 * 3600)
+    sim_only = [line for line in fails.read_text().splitlines() if line.startswith("sim-only")]
+    assert not sim_only, "\n".join(sim_only)
