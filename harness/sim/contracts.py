@@ -296,6 +296,17 @@ def _complex_add(d: str) -> object:
     return None
 
 
+def _complex_kernels(d: str) -> object:
+    """Kernels the CPU lacks for complex dtypes: complex32 flip moves raw bits, a complex window is real."""
+    bits = torch.tensor([[0, -(2**31), 0x7C017E00], [0x3555B555, 0x00010002, -1]], dtype=torch.int32)
+    got = torch.flip(bits.to(d).view(torch.complex32), [0, 1]).view(torch.int32)
+    _assert_equal(got, torch.flip(bits, [0, 1]), "flip complex32")
+    window = torch.kaiser_window(9, periodic=False, beta=1000.0, dtype=torch.complex64, device=d).cpu()
+    real = torch.kaiser_window(9, periodic=False, beta=1000.0, device=d).cpu()
+    _assert_equal(torch.view_as_real(window), torch.view_as_real(real.to(torch.complex64)), "complex kaiser")
+    return None
+
+
 def _gcd_minimum(d: str) -> object:
     """gcd(int8 min, odd) is 1 (|-128| as unsigned); gcd(min, 0) stays min. The CPU's abs() wraps."""
     left = torch.tensor([-128, -128, -128], dtype=torch.int8)
@@ -365,7 +376,7 @@ def _bn_stats(d: str) -> tuple:
 def _device_semantics_cases() -> list[EdgeContract]:
     expected = {"logit_backward(-0.0)": _logit_neg_zero, "kaiser_window large beta": _kaiser_limits,
                 "_saturate_weight_to_fp16 any rank": _saturate, "complex add alpha=1 with inf": _complex_add,
-                "gcd int8 minimum": _gcd_minimum}
+                "gcd int8 minimum": _gcd_minimum, "complex32 flip, complex kaiser_window": _complex_kernels}
     cases = [EdgeContract(n, "numerics", fn, cpu_control=False) for n, fn in expected.items()]
     cases += [
         EdgeContract("group_norm backward without weight", "errors", _group_norm_no_weight, cpu_control=False),
