@@ -307,6 +307,23 @@ def _complex_kernels(d: str) -> object:
     return None
 
 
+def _cumprod_and_ties(d: str) -> object:
+    """Complex cumprod starts from the first element (the CPU's 1 + 0j turns inf + 0j into inf + nanj);
+    maximum/minimum of +0.0 and -0.0 keep the first (the CPU's strided float64 kernel: the second)."""
+    inf = float("inf")
+    x = torch.tensor([inf + 0j, 2 + 0j, 1 + 1j], dtype=torch.complex64)
+    got = torch.cumprod(x.to(d), 0).cpu()
+    want = [x[0].item()]
+    for v in x[1:].tolist():
+        want.append(want[-1] * v)  # Python's product, per component
+    _assert_equal(torch.view_as_real(got), torch.view_as_real(torch.tensor(want, dtype=torch.complex64)), "cumprod")
+    base = torch.tensor([[-0.0, 0.0, -0.0, 0.0], [0.0, -0.0, 0.0, -0.0]], dtype=torch.float64)
+    for fn in (torch.maximum, torch.minimum):
+        signs = torch.signbit(fn(base.to(d).t(), (-base).to(d).t())).cpu()
+        assert torch.equal(signs, torch.signbit(base.t())), f"{fn.__name__} of signed zeros: {signs.tolist()}"
+    return None
+
+
 def _gcd_minimum(d: str) -> object:
     """gcd(int8 min, odd) is 1 (|-128| as unsigned); gcd(min, 0) stays min. The CPU's abs() wraps."""
     left = torch.tensor([-128, -128, -128], dtype=torch.int8)
@@ -376,7 +393,8 @@ def _bn_stats(d: str) -> tuple:
 def _device_semantics_cases() -> list[EdgeContract]:
     expected = {"logit_backward(-0.0)": _logit_neg_zero, "kaiser_window large beta": _kaiser_limits,
                 "_saturate_weight_to_fp16 any rank": _saturate, "complex add alpha=1 with inf": _complex_add,
-                "gcd int8 minimum": _gcd_minimum, "complex32 flip, complex kaiser_window": _complex_kernels}
+                "gcd int8 minimum": _gcd_minimum, "complex32 flip, complex kaiser_window": _complex_kernels,
+                "complex cumprod, signed-zero ties": _cumprod_and_ties}
     cases = [EdgeContract(n, "numerics", fn, cpu_control=False) for n, fn in expected.items()]
     cases += [
         EdgeContract("group_norm backward without weight", "errors", _group_norm_no_weight, cpu_control=False),

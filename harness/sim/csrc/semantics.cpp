@@ -27,6 +27,10 @@
 //   the counts are integers, cast to the dtype once.
 // - flip of complex32, and kaiser_window of a complex dtype: the CPU has no such kernels; a flip moves
 //   elements whole (their 32 bits), a complex window is the real one.
+// - complex cumprod with a non-finite element: the CPU starts from 1 + 0j, and (1 + 0j) * (inf + 0j) has a
+//   NaN imaginary part; the product starts from the first element.
+// - maximum/minimum of +0.0 and -0.0: the CPU's float64 kernel on strided inputs returns the second; its
+//   other paths, and the suite, keep the first.
 // - _lazy_clone: the CPU's copy-on-write needs a plain host allocation, which sim's storage is not; a
 //   lazy clone is a clone whose copy is deferred, so sim copies at once.
 #include "dispatch.h"
@@ -210,6 +214,32 @@ void flip(const c10::OperatorHandle& op, Stack* stack) {
   torch::jit::push(*stack, r);
 }
 
+void cumprod(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  if (!x.is_complex() || x.numel() == 0 || at::isfinite(x).all().item<bool>()) return cpu(op, stack);
+  at::Tensor src = x.clone();  // cumprod_ overwrites it
+  int64_t dim = arg(op, stack, "dim").toInt();
+  cpu(op, stack);  // (the stack now holds its result)
+  at::Tensor out = stack->back().toTensor();
+  src = src.to(out.scalar_type());
+  if (src.dim() == 0) return void(out.copy_(src));
+  dim = c10::maybe_wrap_dim(dim, src.dim());
+  std::vector<at::Tensor> running{src.select(dim, 0)};
+  for (int64_t k = 1; k < src.size(dim); ++k) running.push_back(running.back() * src.select(dim, k));
+  out.copy_(at::stack(running, dim));
+}
+
+void extremum(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor a = arg(op, stack, "self").toTensor(), b = arg(op, stack, "other").toTensor();
+  if (!a.is_floating_point() || !b.is_floating_point()) return cpu(op, stack);
+  at::Tensor tie = a.eq(0).logical_and_(b.eq(0));
+  if (!tie.any().item<bool>()) return cpu(op, stack);
+  at::Tensor first = a.clone();  // out= may be self
+  cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  out.copy_(at::where(tie, first.to(out.scalar_type()), out));
+}
+
 void lazy_clone(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor self = arg(op, stack, "self").toTensor();
   torch::jit::drop(*stack, op.schema().arguments().size());
@@ -237,6 +267,10 @@ void add_semantic_kernels(std::map<std::string, HostKernel>& table) {
   table["aten::_lazy_clone.default"] = &lazy_clone;
   for (const char* n : {"aten::histc.default", "aten::histc.out"}) table[n] = &histc;
   table["aten::flip.default"] = &flip;
+  for (const char* n : {"aten::cumprod.default", "aten::cumprod.out", "aten::cumprod_.default"}) table[n] = &cumprod;
+  for (const char* n : {"aten::maximum.default", "aten::maximum.out", "aten::minimum.default", "aten::minimum.out"}) {
+    table[n] = &extremum;
+  }
 }
 
 }  // namespace sim::detail
