@@ -119,11 +119,38 @@ def test_table_classifies_against_the_control():
     assert table["generated"] == {"failed": 1, "accelerator": 1, "declared": 1}
 
 
+# Level-2 cases that fail on sim and "pass" on the CPU only because torchcts exempts the CPU from them (the
+# test returns early, or checks only metadata, on device cpu): sim runs the CPU's kernel there. Case id
+# substring -> why (issue 49's note has the evidence).
+KNOWN_SIM_ONLY = {
+    "complex_tensor_integer_power": "the CPU's complex pow goes through exp/log; the suite wants repeated "
+                                    "multiplication for integral exponents",
+    "complex_ldexp_integral_lane_scale": "the CPU's complex ldexp multiplies by 2**e + 0j (NaN lanes at inf)",
+    "i0_mpmath": "the CPU's i0 overflows to NaN/inf before the suite's mpmath reference does",
+    "test_igamma_tiny_shape_tails": "the CPU's igamma loses the tail at shape 1e-300",
+    "test_public_vander_decreasing_backward": "torch 2.13's vander backward fails on the CPU too "
+                                              "(modified by an inplace operation)",
+    "test_low_level_misc_dispatcher_helpers": "_compute_linear_combination.out accumulates into its "
+                                              "uninitialized out, on the CPU too",
+}
+
+
+def unexplained_sim_only(failures: str) -> list[str]:
+    """The sim-only lines of scripts/cts_table.py --failures that KNOWN_SIM_ONLY does not explain."""
+    return [line for line in failures.splitlines()
+            if line.startswith("sim-only") and not any(k in line for k in KNOWN_SIM_ONLY)]
+
+
+def test_known_sim_only_filter():
+    lines = "sim-only\tL1\tgenerated/x[i0[L1]]\tAssertionError: Permanent contract reference i0_mpmath failed\n" \
+            "sim-only\tL2\toperators/test_new.py::test_y\tAssertionError\nboth\tL2\toperators/z\tE\n"
+    assert unexplained_sim_only(lines) == ["sim-only\tL2\toperators/test_new.py::test_y\tAssertionError"]
+
+
 @pytest.mark.slow
-def test_peer_suite_level2_has_no_sim_only_failure(tmp_path: Path):
+def test_peer_suite_level2_has_no_unexplained_sim_only_failure(tmp_path: Path):
     pytest.importorskip("torchcts")
     fails = tmp_path / "failures.txt"
     subprocess.run([sys.executable, str(REPO / "scripts" / "cts_table.py"), "--level", "2", "--out",
                     str(tmp_path), "--failures", str(fails)], check=True, timeout=4 * 3600)
-    sim_only = [line for line in fails.read_text().splitlines() if line.startswith("sim-only")]
-    assert not sim_only, "\n".join(sim_only)
+    assert not unexplained_sim_only(fails.read_text()), "\n".join(unexplained_sim_only(fails.read_text()))
