@@ -83,6 +83,15 @@ def test_half_histc_counts_are_integers(dtype: torch.dtype):
     assert got.item() == torch.tensor(4062.0).to(dtype).item()  # the CPU: 4060 (fp16), 512 (bf16)
 
 
+def test_stream_of_the_unindexed_device_is_the_current_devices():
+    s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
+    assert s.device_index == torch.sim.current_device()
+    with s:
+        y = torch.ones(4, device="sim") * 2
+    s.synchronize()
+    assert y.sum().item() == 8.0
+
+
 def _cts_table():
     spec = importlib.util.spec_from_file_location("cts_table", REPO / "scripts" / "cts_table.py")
     mod = importlib.util.module_from_spec(spec)

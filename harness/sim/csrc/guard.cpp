@@ -29,13 +29,21 @@ struct SimGuard final : c10::impl::DeviceGuardImplInterface {
   void uncheckedSetDevice(Device d) const noexcept override {
     if (d.index() >= 0 && d.index() < kMaxDevices) set_current_device(d.index());
   }
-  Stream getStream(Device d) const override { return Stream(Stream::UNSAFE, d, current_stream(d.index())); }
-  Stream getDefaultStream(Device d) const override { return Stream(Stream::DEFAULT, d); }
+  // "sim" without an index is the current device (torch.Stream(device="sim")), as CUDA's streams take it
+  Device indexed(Device d) const { return d.has_index() ? d : getDevice(); }
+  Stream getStream(Device d) const override {
+    d = indexed(d);
+    return Stream(Stream::UNSAFE, d, current_stream(d.index()));
+  }
+  Stream getDefaultStream(Device d) const override { return Stream(Stream::DEFAULT, indexed(d)); }
   Stream getStreamFromGlobalPool(Device d, bool /*isHighPriority*/) const override { return getNewStream(d, 0); }
-  Stream getNewStream(Device d, int /*priority*/) const override { return Stream(Stream::UNSAFE, d, new_stream_id()); }
+  Stream getNewStream(Device d, int /*priority*/) const override {
+    return Stream(Stream::UNSAFE, indexed(d), new_stream_id());
+  }
   Stream exchangeStream(Stream s) const override {
-    Stream old = getStream(s.device());
-    set_stream(s.device_index(), s.id());
+    Device d = indexed(s.device());
+    Stream old = getStream(d);
+    set_stream(d.index(), s.id());
     return old;
   }
   DeviceIndex deviceCount() const noexcept override { return static_cast<DeviceIndex>(device_count()); }
