@@ -184,18 +184,18 @@ def test_young_profile_is_generated_and_sized_like_a_young_backend():
 
 
 def test_missing_host_kernel_reads_like_a_missing_sim_kernel():
-    cell = torch.nn.LSTMCell(4, 4).to("sim")  # off-CPU, torch picks a fused kernel the CPU lacks
+    q = torch.randn(1, 2, 8, 16, device="sim")  # a CUDA-only kernel: the CPU has none to run
     with (
         sim.op_profile("full"),
         pytest.raises(
             NotImplementedError,
             match=(
-                r"Could not run 'aten::_thnn_fused_lstm_cell' with arguments from the 'sim' backend"
-                r".*host \(CPU\)"
+                r"Could not run 'aten::_scaled_dot_product_efficient_attention' with arguments from the 'sim' "
+                r"backend.*host \(CPU\)"
             ),
         ),
     ):
-        cell(torch.randn(2, 4, device="sim"))
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, False)
 
 
 # --- faults (env var; function/context manager are in test_sim_faults.py) -----------------------

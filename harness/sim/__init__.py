@@ -57,13 +57,18 @@ and ``torch.autocast("sim")`` with CUDA's op lists (``autocast``). Python runs p
 switch needs it: injected faults, planted numerics bugs, autocast.
 
 At ``highest`` under the ``full`` profile sim is the CPU it runs on: values bit for bit (the sign of a
-zero included), and the CPU's errors, aliasing ``out=`` refused alike. Where it is a device rather than
-the CPU it behaves as CUDA does: index and length arguments may stay on the host (``tensor_split``
-indices, ``pack_padded_sequence`` lengths, whose batch sizes stay there too), pinned host memory
-(``Tensor.pin_memory``, ``DataLoader(pin_memory=True)``), ``torch.Generator("sim")`` (drawing as a CPU
-generator seeded alike), ``untyped_storage().resize_()`` and ``_resize_output_``; accelerator-only
-kernels (flash/efficient/cuDNN attention, fused RNN cells, ``batch_norm_stats``) raise the standard
-missing-kernel error. It differs from the CPU only where PyTorch itself does not give one answer: code
+zero included), and the CPU's errors, aliasing ``out=`` refused alike, except where the CPU kernel is
+defective and a device gives the mathematical answer (``csrc/semantics.cpp``: ``logit_backward`` at -0.0,
+``kaiser_window`` with a huge beta, ``ldexp`` with wide exponents, ``grid_sample`` at non-finite
+coordinates, complex add/sub, small-int ``gcd``, im2col/col2im ``out=`` their input, ...). Where it is a
+device rather than the CPU it behaves as CUDA does: index and length arguments may stay on the host
+(``tensor_split`` indices, ``pack_padded_sequence`` lengths, whose batch sizes stay there too), pinned host
+memory (``Tensor.pin_memory``, ``DataLoader(pin_memory=True)``), ``torch.Generator("sim")`` (drawing as a
+CPU generator seeded alike), ``untyped_storage().resize_()`` and ``_resize_output_``; the kernels PyTorch
+asks an accelerator for (fused RNN cells, SyncBatchNorm's, the PrivateUse1 fused-attention entry) are
+computed as CUDA's (``csrc/accelerator_kernels.cpp``), while flash/efficient/cuDNN attention raise the
+standard missing-kernel error. Sparse, nested and quantized tensors are not simulated (declared so in
+``scripts/cts_table.py``'s manifest). It differs from the CPU only where PyTorch itself does not give one answer: code
 that picks an algorithm by device type (``linear_cross_entropy``'s chunked fp16/bf16 accumulation takes a
 non-CPU device's path) and CPU kernels that are nondeterministic (gelsy's uninitialized pivots, im2col
 writing over its own input on several threads); ``conformance.EXPLAINED`` lists them, and

@@ -6,7 +6,9 @@ with ``sim`` for the device under test, compared as `differential.compare_sides`
 on the CPU on both sides, as a CUDA user passes them. A contract without a CPU control (a device API,
 an accelerator-only kernel) states its own expectation: `expect_missing` names the op whose standard
 missing-kernel error sim must raise, `expect_error` starts the error CUDA raises there (device name
-``sim:0``); otherwise sim must not raise (the case asserts what it needs).
+``sim:0``); otherwise sim must not raise (the case asserts what it needs). Where the CPU kernel is
+defective (issue 49: a conformance suite holds devices to the mathematical result there) a contract has
+no CPU control and asserts that result: `_device_semantics_cases`.
 """
 
 from __future__ import annotations
@@ -82,21 +84,25 @@ def _alias_cases() -> list[EdgeContract]:
                  _alias(lambda x: torch.sort(x, out=(x, torch.empty(6, dtype=torch.long, device=x.device))))),
         EdgeContract("index_put_ values=self", "aliasing",
                  _alias(lambda x: x.index_put_((_idx(x.device, 0, 1),), x[1:3]))),
-        EdgeContract("im2col out=input", "aliasing", lambda d: _im2col_alias(d)),
+        EdgeContract("im2col out=input", "aliasing", _im2col_alias, cpu_control=False),
     ]
 
 
 def _im2col_alias(d: str) -> object:
-    """im2col writing over its own input: the CPU allows it, and its threads then race over the shared
-    memory (runs of the CPU alone differ), so both sides run it on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        x = torch.arange(16.0, device=d).reshape(1, 1, 4, 4)
-        res = torch._C._nn.im2col(x, (2, 2), (1, 1), (0, 0), (2, 2), out=x.reshape(1, 4, 4))
-        return res, x
-    finally:
-        torch.set_num_threads(threads)
+    """im2col writing over its own input: the CPU resizes `out` first and reads what it wrote (its threads
+    race over it); the result must be the input's as it was."""
+    x = torch.arange(16.0, device=d).reshape(1, 1, 4, 4)
+    want = torch._C._nn.im2col(x.cpu(), (2, 2), (1, 1), (0, 0), (2, 2))
+    res = torch._C._nn.im2col(x, (2, 2), (1, 1), (0, 0), (2, 2), out=x.reshape(1, 4, 4))
+    _assert_equal(res, want, "im2col out=input")
+    return None
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    same = got.shape == want.shape and torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert same, f"{what}: got {got.flatten()[:8].tolist()}, want {want.flatten()[:8].tolist()}"
 
 
 # ---- 3. host-side arguments (CPU as on CUDA) ----------------------------------------------------------
@@ -155,8 +161,12 @@ def _grid_nonfinite(mode: str) -> Fn:
     def run(d: str) -> object:
         inp = torch.arange(16.0, device=d).reshape(1, 1, 4, 4)
         nan, inf = float("nan"), float("inf")
-        grid = torch.tensor([[[[nan, 0.0], [inf, 0.5]], [[0.2, -inf], [0.1, 0.1]]]], device=d)
-        return F.grid_sample(inp, grid, mode=mode, align_corners=False)
+        grid = torch.tensor([[[[nan, 0.0], [inf, 0.5]], [[0.2, -inf], [0.1, 0.1]]]])
+        got = F.grid_sample(inp, grid.to(d), mode=mode, align_corners=False)
+        # a NaN coordinate samples as -1, an infinite one is out of range (zero padding: 0); the CPU gives NaN
+        want = F.grid_sample(inp.cpu(), grid.nan_to_num(-1.0, posinf=-100.0, neginf=-100.0), mode=mode,
+                             align_corners=False)
+        _assert_equal(got, want, f"grid_sample {mode}")
 
     return run
 
@@ -164,17 +174,24 @@ def _grid_nonfinite(mode: str) -> Fn:
 def _numerics_cases() -> list[EdgeContract]:
     cases = [EdgeContract(f"logit backward n={n} eps={eps}", "numerics", _logit_backward(n, eps))
              for n in (7, 8, 9, 16, 17, 33) for eps in (None, 0.25)]
-    cases += [EdgeContract(f"grid_sample non-finite {m}", "numerics", _grid_nonfinite(m)) for m in ("bilinear", "nearest")]
+    cases += [EdgeContract(f"grid_sample non-finite {m}", "numerics", _grid_nonfinite(m), cpu_control=False)
+              for m in ("bilinear", "nearest")]
     big = [1e5, -1e5, 65519.0, 65520.0, 3e38, float("inf")]
     cases += [
         EdgeContract("fp16 saturation .half()", "numerics", lambda d: torch.tensor(big, device=d).half()),
         EdgeContract("fp16 saturation Linear.half()", "numerics", lambda d: _half_linear(d, big)),
-        EdgeContract("ldexp wide int64 exponents", "numerics",
-                 lambda d: torch.ldexp(torch.ones(4, device=d), torch.tensor([1, 2**31 + 5, -(2**40), 200], device=d))),
+        EdgeContract("ldexp wide int64 exponents", "numerics", _ldexp_wide, cpu_control=False),
         EdgeContract("col2im", "numerics",
                  lambda d: F.fold(torch.arange(16.0, device=d).reshape(1, 4, 4), (3, 3), (2, 2))),
     ]
     return cases
+
+
+def _ldexp_wide(d: str) -> object:
+    """The CPU truncates int64 exponents to 32 bits (2**31 + 5 acts as -2**31 + 5): they saturate instead."""
+    got = torch.ldexp(torch.ones(4, device=d), torch.tensor([1, 2**31 + 5, -(2**40), 200], device=d))
+    _assert_equal(got, torch.tensor([2.0, float("inf"), 0.0, float("inf")]), "ldexp")
+    return None
 
 
 def _half_linear(d: str, weights: list[float]) -> object:
@@ -230,19 +247,168 @@ def _device_cases() -> list[EdgeContract]:
             lambda d: torch.ops.aten._scaled_dot_product_efficient_attention(q(d), q(d), q(d), None, False),
         "aten::_scaled_dot_product_cudnn_attention":
             lambda d: torch.ops.aten._scaled_dot_product_cudnn_attention(q(d), q(d), q(d), None, False),
-        "aten::_thnn_fused_lstm_cell": lambda d: torch.ops.aten._thnn_fused_lstm_cell(
-            torch.randn(2, 16, device=d), torch.randn(2, 16, device=d), torch.randn(2, 4, device=d)),
-        "aten::_thnn_fused_gru_cell": lambda d: torch.ops.aten._thnn_fused_gru_cell(
-            torch.randn(2, 12, device=d), torch.randn(2, 12, device=d), torch.randn(2, 4, device=d)),
-        "aten::batch_norm_stats": lambda d: torch.batch_norm_stats(torch.randn(4, 3, device=d), 1e-5),
     }
     cases += [EdgeContract(f"{name} is not implemented", "device_api", fn, cpu_control=False, expect_missing=name)
               for name, fn in missing.items()]
     return cases
 
 
+# ---- 6. where the CPU kernel is defective or missing: the mathematical answer (issue 49) ----------------
+
+def _logit_neg_zero(d: str) -> object:
+    """logit'(x) = 1 / (x (1 - x)): -inf at -0.0, whatever the length (the CPU's SIMD lanes give +inf)."""
+    for n in (1, 7, 8, 9, 17):
+        got = torch.ops.aten.logit_backward(torch.ones(n, device=d), torch.full((n,), -0.0, device=d), None)
+        assert torch.isneginf(got.cpu()).all(), f"logit_backward(-0.0), n={n}: {got.cpu().tolist()}"
+    return None
+
+
+def _kaiser_limits(d: str) -> object:
+    """A huge beta has a finite window (I0 overflows on the CPU: NaN); an infinite one is a unit impulse."""
+    big = torch.kaiser_window(9, periodic=False, beta=1000.0, device=d).cpu()
+    assert torch.isfinite(big).all() and big[4] == 1.0 and big[0] == 0.0, f"kaiser beta=1000: {big.tolist()}"
+    impulse = torch.kaiser_window(9, periodic=False, beta=float("inf"), device=d).cpu()
+    _assert_equal(impulse, torch.eye(9)[4], "kaiser beta=inf")
+    return None
+
+
+def _saturate(d: str) -> object:
+    """_saturate_weight_to_fp16 clamps to fp16's range at any rank and leaves its input alone."""
+    for shape in [(), (3,), (2, 3), (2, 2, 3)]:
+        w = torch.full(shape, 1e5, device=d)
+        got = torch.ops.aten._saturate_weight_to_fp16(w)
+        _assert_equal(got, torch.full(shape, 65504.0), f"_saturate_weight_to_fp16 {shape}")
+        _assert_equal(w, torch.full(shape, 1e5), "_saturate_weight_to_fp16's input")
+    return None
+
+
+def _complex_add(d: str) -> object:
+    """a + b with alpha 1 adds per component: (1 + 0j) * (inf + 0j) is (inf + nanj), so no multiply."""
+    inf = float("inf")
+    a = torch.tensor([1 + 1j, inf + 0j, 2 - 1j], dtype=torch.complex64)
+    b = torch.tensor([inf + 0j, 1 + 0j, complex(0, -inf)], dtype=torch.complex64)
+    ad, bd = a.to(d), b.to(d)
+    for got, want in [(ad + bd, torch.complex(a.real + b.real, a.imag + b.imag)),
+                      (ad - bd, torch.complex(a.real - b.real, a.imag - b.imag)),
+                      (torch.rsub(ad, bd), torch.complex(b.real - a.real, b.imag - a.imag)),
+                      (ad.clone().add_(bd), torch.complex(a.real + b.real, a.imag + b.imag))]:
+        _assert_equal(torch.view_as_real(got.cpu()), torch.view_as_real(want), "complex add/sub")
+    return None
+
+
+def _complex_kernels(d: str) -> object:
+    """Kernels the CPU lacks for complex dtypes: complex32 flip moves raw bits, a complex window is real."""
+    bits = torch.tensor([[0, -(2**31), 0x7C017E00], [0x3555B555, 0x00010002, -1]], dtype=torch.int32)
+    got = torch.flip(bits.to(d).view(torch.complex32), [0, 1]).view(torch.int32)
+    _assert_equal(got, torch.flip(bits, [0, 1]), "flip complex32")
+    window = torch.kaiser_window(9, periodic=False, beta=1000.0, dtype=torch.complex64, device=d).cpu()
+    real = torch.kaiser_window(9, periodic=False, beta=1000.0, device=d).cpu()
+    _assert_equal(torch.view_as_real(window), torch.view_as_real(real.to(torch.complex64)), "complex kaiser")
+    return None
+
+
+def _cumprod_and_ties(d: str) -> object:
+    """Complex cumprod starts from the first element (the CPU's 1 + 0j turns inf + 0j into inf + nanj);
+    maximum/minimum of +0.0 and -0.0 keep the first (the CPU's strided float64 kernel: the second)."""
+    inf = float("inf")
+    x = torch.tensor([inf + 0j, 2 + 0j, 1 + 1j], dtype=torch.complex64)
+    got = torch.cumprod(x.to(d), 0).cpu()
+    want = [x[0].item()]
+    for v in x[1:].tolist():
+        want.append(want[-1] * v)  # Python's product, per component
+    _assert_equal(torch.view_as_real(got), torch.view_as_real(torch.tensor(want, dtype=torch.complex64)), "cumprod")
+    base = torch.tensor([[-0.0, 0.0, -0.0, 0.0], [0.0, -0.0, 0.0, -0.0]], dtype=torch.float64)
+    for fn in (torch.maximum, torch.minimum):
+        signs = torch.signbit(fn(base.to(d).t(), (-base).to(d).t())).cpu()
+        assert torch.equal(signs, torch.signbit(base.t())), f"{fn.__name__} of signed zeros: {signs.tolist()}"
+    return None
+
+
+def _gcd_minimum(d: str) -> object:
+    """gcd(int8 min, odd) is 1 (|-128| as unsigned); gcd(min, 0) stays min. The CPU's abs() wraps."""
+    left = torch.tensor([-128, -128, -128], dtype=torch.int8)
+    got = torch.gcd(left.to(d), torch.tensor([31, -31, 0], dtype=torch.int8, device=d))
+    _assert_equal(got, torch.tensor([1, 1, -128], dtype=torch.int8), "gcd int8")
+    return None
+
+
+def _group_norm_no_weight(d: str) -> object:
+    """group_norm's backward without a weight (the CPU's kernel fails: "tensor does not have a device")."""
+    x = torch.linspace(-2.0, 2.0, 24).reshape(2, 4, 3)
+    g = torch.linspace(0.25, 2.5, 24).reshape(2, 4, 3)
+    xd = x.to(d).requires_grad_()
+    F.group_norm(xd, 2, weight=None, bias=torch.zeros(4, device=d)).backward(g.to(d))
+    xc = x.clone().requires_grad_()
+    F.group_norm(xc, 2, weight=torch.ones(4), bias=torch.zeros(4)).backward(g)  # the same gradient
+    torch.testing.assert_close(xd.grad.cpu(), xc.grad)
+    return None
+
+
+def _lazy_clone(d: str) -> object:
+    x = torch.arange(6.0, device=d)
+    y = torch.ops.aten._lazy_clone(x)
+    x.add_(1)
+    _assert_equal(y, torch.arange(6.0), "_lazy_clone")
+    return None
+
+
+def _close_to_cpu(fn: Callable[[str], tuple]) -> Fn:
+    """An accelerator's kernel the CPU lacks, against the CPU's composite of the same function."""
+    def run(d: str) -> object:
+        torch.manual_seed(0)
+        want = fn("cpu")
+        torch.manual_seed(0)
+        got = fn(d)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5)
+        return None
+
+    return run
+
+
+def _lstm(d: str) -> tuple:
+    cell = torch.nn.LSTMCell(3, 4).to(d)
+    x, h0, c0 = torch.randn(2, 3).to(d).requires_grad_(), torch.randn(2, 4).to(d), torch.randn(2, 4).to(d)
+    h, c = cell(x, (h0, c0))
+    (h.sum() + c.square().sum()).backward()
+    return h, c, x.grad, cell.weight_hh.grad
+
+
+def _gru(d: str) -> tuple:
+    cell = torch.nn.GRUCell(3, 4).to(d)
+    x, h0 = torch.randn(2, 3).to(d).requires_grad_(), torch.randn(2, 4).to(d)
+    h = cell(x, h0)
+    h.square().sum().backward()
+    return h, x.grad, cell.bias_hh.grad
+
+
+def _bn_stats(d: str) -> tuple:
+    x = torch.randn(4, 3, 5).to(d)
+    if d == "cpu":  # the CPU has no batch_norm_stats: mean and 1 / sqrt(biased var + eps) by hand
+        var, mean = torch.var_mean(x, dim=(0, 2), correction=0)
+        return mean, (var + 1e-5).rsqrt()
+    return torch.batch_norm_stats(x, 1e-5)
+
+
+def _device_semantics_cases() -> list[EdgeContract]:
+    expected = {"logit_backward(-0.0)": _logit_neg_zero, "kaiser_window large beta": _kaiser_limits,
+                "_saturate_weight_to_fp16 any rank": _saturate, "complex add alpha=1 with inf": _complex_add,
+                "gcd int8 minimum": _gcd_minimum, "complex32 flip, complex kaiser_window": _complex_kernels,
+                "complex cumprod, signed-zero ties": _cumprod_and_ties}
+    cases = [EdgeContract(n, "numerics", fn, cpu_control=False) for n, fn in expected.items()]
+    cases += [
+        EdgeContract("group_norm backward without weight", "errors", _group_norm_no_weight, cpu_control=False),
+        EdgeContract("_lazy_clone", "device_api", _lazy_clone, cpu_control=False),
+        EdgeContract("LSTMCell (fused cell)", "device_api", _close_to_cpu(_lstm), cpu_control=False),
+        EdgeContract("GRUCell (fused cell)", "device_api", _close_to_cpu(_gru), cpu_control=False),
+        EdgeContract("batch_norm_stats", "device_api", _close_to_cpu(_bn_stats), cpu_control=False),
+    ]
+    return cases
+
+
 def all_contracts() -> list[EdgeContract]:
-    return _stub_cases() + _alias_cases() + _host_cases() + _numerics_cases() + _device_cases()
+    return (_stub_cases() + _alias_cases() + _host_cases() + _numerics_cases() + _device_cases()
+            + _device_semantics_cases())
 
 
 def run_contract(c: EdgeContract, *, mode: str = "highest") -> differential.SampleResult:

@@ -1,7 +1,7 @@
 """Simulated device memory: per-device accounting, a configurable size, and out-of-memory errors.
 
 A sim storage is host memory from sim's `c10::DeviceAllocator` (or a CPU kernel's output adopted
-without a copy), counted on its device until it is freed (``csrc/device.cpp``). Views share their
+without a copy), counted on its device until it is freed (``csrc/allocator.cpp``). Views share their
 base's count, as on a real device. Nothing is cached, so "reserved" equals "allocated" and
 `empty_cache` has nothing to return.
 

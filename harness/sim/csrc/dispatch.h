@@ -1,12 +1,13 @@
 // What sim's dispatch files share (internal to csrc/; harness/sim/native.py says why each part exists).
 //
 // A sim tensor is a plain tensor whose dispatch key is PrivateUse1 and whose storage is host memory
-// (device.cpp). One boxed kernel (kernel.cpp) serves every op: it checks the op against the active
+// (allocator.cpp). One boxed kernel (kernel.cpp) serves every op: it checks the op against the active
 // profile (switches.cpp), views each sim argument as a CPU tensor on the same memory (hostview.cpp),
 // rounds the multiplier operands of the matmul family to bf16 at `default` precision (rounding.cpp),
 // enforces the same-device rule, runs the CPU kernel, and adopts the CPU outputs into sim storage.
-// The few kernels that must not go through the CPU are in native_kernels.cpp; register.cpp installs
-// them all.
+// The few kernels that must not go through the CPU are in native_kernels.cpp; those sim computes on the host
+// otherwise than the CPU (defective or missing CPU kernels) in semantics.cpp and accelerator_kernels.cpp;
+// register.cpp installs them all.
 #pragma once
 
 #include "sim.h"
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <map>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -25,6 +27,10 @@
 namespace sim::detail {
 
 // ---- per-op facts, read from the schema once (ops.cpp) ------------------------------------------
+// A kernel that runs on the host views in place of the op's CPU kernel (semantics.cpp,
+// accelerator_kernels.cpp): the stack holds the converted arguments, as the CPU kernel would get them.
+using HostKernel = void (*)(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
 struct OpInfo {
   std::string display;  // aten::add.Tensor; the default overload is just aten::add
   std::string base;     // aten::add: a profile entry for every overload
@@ -52,7 +58,14 @@ struct OpInfo {
   // tensors themselves, as CUDA does, so its device checks and its outputs' devices are CUDA's.
   bool device_composite = false;
   bool histc = false;
+  HostKernel host_kernel = nullptr;  // where sim's kernel is not the CPU's
 };
+
+// Kernels sim runs on the host instead of the CPU's, by op (aten::name.overload): where the CPU kernel is
+// defective (semantics.cpp) or missing because the kernel is an accelerator's (accelerator_kernels.cpp).
+const std::map<std::string, HostKernel>& host_kernels();
+void add_semantic_kernels(std::map<std::string, HostKernel>& table);
+void add_accelerator_kernels(std::map<std::string, HostKernel>& table);
 
 OpInfo& info_of(const c10::OperatorHandle& op);
 
@@ -88,9 +101,13 @@ at::Tensor rounded_operand(const at::Tensor& sim, const at::Tensor& host);
 void drop_rounded(c10::StorageImpl* s);
 void clear_rounded();
 
-// ---- device APIs (hooks.cpp) ------------------------------------------------------------------------
+// ---- device APIs: generators (generator.cpp), pinned memory (host_allocator.cpp), hooks (hooks.cpp) ----
 // The CPU generator a CPU kernel draws from for a Generator? argument on sim:dev.
 at::Generator host_generator(const std::optional<at::Generator>& g, int dev);
+at::Generator make_generator(c10::DeviceIndex index, uint64_t seed);
+const at::Generator& default_generator(int dev);
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* data);
 void register_hooks();
 
 // ---- kernels (kernel.cpp, native_kernels.cpp) -------------------------------------------------------

@@ -191,7 +191,11 @@ void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const double slowdown = timing ? slowdown_of(info) : 1.0;
   try {
     Turn turn(dev);  // a shared device runs one kernel at a time, whichever process launched it
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    if (info.host_kernel != nullptr) {
+      info.host_kernel(op, stack);
+    } else {
+      op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+    }
   } catch (const c10::NotImplementedError& e) {
     if (e.msg().find("from the 'CPU' backend") != std::string::npos) unsupported(info, true);
     throw;

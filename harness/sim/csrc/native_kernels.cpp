@@ -114,7 +114,11 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size, std:
 // device check and resize_output's semantics (a warning when a non-empty tensor is resized).
 const at::Tensor& resize_output_(const at::Tensor& self, c10::SymIntArrayRef size, c10::Device device) {
   SIM_ENTER("aten::_resize_output_", "");
-  TORCH_CHECK(self.device() == device, "out Tensor doesn't have the correct device set");
+  // "sim" without an index is the current device, as in every other device argument
+  c10::Device want = device.type() == kSim && !device.has_index()
+                         ? c10::Device(kSim, static_cast<c10::DeviceIndex>(current_device()))
+                         : device;
+  TORCH_CHECK(self.device() == want, "out Tensor doesn't have the correct device set");
   at::native::resize_output(self, C10_AS_INTARRAYREF_SLOW(size));
   return self;
 }

@@ -26,8 +26,11 @@ const std::set<std::string> kCpuIndices = {"aten::index.Tensor",          "aten:
                                            "aten::_index_put_impl_.default", "aten::_unsafe_index.Tensor",
                                            "aten::_unsafe_index_put.default"};
 
-// Composites whose arguments must partly stay on the host (lengths, batch sizes): see OpInfo.
-const std::set<std::string> kDeviceComposite = {"aten::_pack_padded_sequence.default"};
+// Composites whose arguments must partly stay on the host (lengths, batch sizes), and out= wrappers of
+// functional ops sim implements itself (their composite calls the functional op, which the CPU lacks):
+// see OpInfo. So is every out= wrapper of an op with a host kernel (make_info).
+const std::set<std::string> kDeviceComposite = {"aten::_pack_padded_sequence.default",
+                                                "aten::_pack_padded_sequence.out", "aten::_resize_output.out"};
 
 bool is_optional_generator(const c10::TypePtr& type) {
   if (type->kind() != c10::TypeKind::OptionalType) return false;
@@ -113,12 +116,31 @@ OpInfo* make_info(const c10::OperatorHandle& op) {
   if (r != reduced_ops().end()) info->reduced = r->second;
   info->cross_ok = kCrossDevice.count(info->full) > 0;
   info->cpu_indices_ok = kCpuIndices.count(info->full) > 0;
-  info->device_composite = info->composite && kDeviceComposite.count(info->full) > 0;
+  auto hk = host_kernels().find(info->full);
+  if (hk != host_kernels().end()) info->host_kernel = hk->second;
+  bool wraps_host_kernel = false;
+  for (const std::string& f : info->functional) wraps_host_kernel = wraps_host_kernel || host_kernels().count(f) > 0;
+  // A Storage argument has no host view: a composite taking one (set.source_Storage, the functional set_)
+  // runs on the sim tensors, its set_ on sim's storage.
+  bool takes_storage = false;
+  for (const auto& a : args) takes_storage = takes_storage || a.type()->kind() == c10::TypeKind::StorageType;
+  info->device_composite = info->composite && (kDeviceComposite.count(info->full) > 0 || takes_storage ||
+                                               (info->host_kernel == nullptr && wraps_host_kernel));
   info->histc = info->full == "aten::histc.default";
   return info;
 }
 
 }  // namespace
+
+const std::map<std::string, HostKernel>& host_kernels() {
+  static const auto* table = [] {
+    auto* t = new std::map<std::string, HostKernel>();
+    add_semantic_kernels(*t);
+    add_accelerator_kernels(*t);
+    return t;
+  }();
+  return *table;
+}
 
 std::mutex info_mutex;
 std::unordered_map<const c10::FunctionSchema*, OpInfo*> infos;  // never freed: operators live forever

@@ -51,38 +51,9 @@ constexpr int kMaxTenants = 64;
 constexpr uint64_t kMagic = 0x706c616365343501ull;  // "place45", layout 1
 constexpr auto kJoinWait = std::chrono::seconds(10);  // a join takes milliseconds; a stuck joiner is named
 
-// Same variables as harness/sim/placement.py and harness/sim/indices.py.
-const char* const kVisibleEnv = "PORTHARNESS_SIM_VISIBLE_DEVICES";
+// Same variables as harness/sim/placement.py.
 const char* const kSharingEnv = "PORTHARNESS_SIM_SHARING";
 const char* const kNamespaceEnv = "PORTHARNESS_SIM_NAMESPACE";
-
-int physical_devices() noexcept {
-  const char* raw = std::getenv("PORTHARNESS_SIM_DEVICES");
-  if (raw == nullptr || *raw == '\0') return 2;
-  long n = std::strtol(raw, nullptr, 10);
-  return n < 1 ? 1 : (n > kMaxDevices ? kMaxDevices : static_cast<int>(n));
-}
-
-// The visible physical devices in logical order, as CUDA reads CUDA_VISIBLE_DEVICES: up to the first
-// entry that is not a device (harness/sim/placement.py refuses such a value at import). Empty: unset.
-std::vector<int> visible() {
-  std::vector<int> out;
-  const char* raw = std::getenv(kVisibleEnv);
-  if (raw == nullptr) return out;
-  int count = physical_devices();
-  std::stringstream in(raw);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    long v = std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || v < 0 || v >= count) break;
-    bool seen = false;
-    for (int d : out) seen = seen || d == v;
-    if (seen) break;
-    out.push_back(static_cast<int>(v));
-  }
-  return out;
-}
 
 struct Fraction {
   std::atomic<double> value{1.0};
@@ -100,28 +71,6 @@ std::string format_mib(int64_t n) {
 void set_fraction(int dev, double f) { fractions.at(dev).value.store(f); }
 
 double fraction(int dev) { return fractions.at(dev).value.load(); }
-
-int visible_count() noexcept {
-  try {
-    return std::getenv(kVisibleEnv) == nullptr ? -1 : static_cast<int>(visible().size());
-  } catch (...) {
-    return -1;
-  }
-}
-
-int physical_index(int index) noexcept {
-  try {
-    std::vector<int> v = visible();
-    return std::getenv(kVisibleEnv) == nullptr || index < 0 || index >= static_cast<int>(v.size()) ? index : v[index];
-  } catch (...) {
-    return index;
-  }
-}
-
-std::string device_label(int dev) {
-  int phys = physical_index(dev);
-  return "sim:" + std::to_string(dev) + (phys == dev ? "" : " (physical sim:" + std::to_string(phys) + ")");
-}
 
 #ifdef __linux__
 namespace {

@@ -86,6 +86,17 @@ void register_dispatch() {
     if (returns_view(op->schema()) || (!takes_tensors(op->schema()) && !kStubFactories.count(name.name))) continue;
     aten_lib->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&sim_kernel>());
   }
+  // Ops sim computes on the host whose only kernel is a CompositeImplicitAutograd one (the fallback does not
+  // see those): a kernel of sim's own, as a backend that implements them has.
+  for (const auto& [full, kernel] : host_kernels()) {
+    auto dot = full.rfind('.');
+    std::string name = full.substr(0, dot), overload = full.substr(dot + 1);
+    auto op = dispatcher.findOp({name, overload == "default" ? "" : overload});
+    if (!op.has_value() || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd)) continue;
+    std::string spec = name.substr(6) + (overload == "default" ? "" : "." + overload);
+    aten_lib->impl(spec.c_str(), torch::CppFunction::makeFromBoxedFunction<&sim_kernel>());
+  }
 }
 
 }  // namespace sim

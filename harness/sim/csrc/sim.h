@@ -1,4 +1,10 @@
 // What the parts of sim's native backend share (see harness/sim/native.py for the why of each part).
+//
+// One file per device concept, as PyTorch's reference out-of-tree backend (torch_openreg) has them:
+// devices.cpp (count, visibility, current device), guard.cpp (the device guard), streams.cpp (streams and
+// events), allocator.cpp (device memory), host_allocator.cpp (pinned memory), generator.cpp (RNGs),
+// hooks.cpp (the PrivateUse1 hooks), placement.cpp (which process holds a device); the dispatch path
+// (dispatch.h maps its files), the c10d backend (backend.cpp) and the Python bindings (module.cpp).
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -16,6 +22,7 @@ namespace sim {
 constexpr auto kSim = c10::DeviceType::PrivateUse1;
 constexpr int kMaxDevices = 64;
 
+// ---- devices (devices.cpp) ---------------------------------------------------------------------------
 // The simulated device count (PORTHARNESS_SIM_DEVICES, read live) and this thread's current device.
 int device_count() noexcept;
 c10::DeviceIndex current_device() noexcept;
@@ -23,12 +30,13 @@ void set_current_device(c10::DeviceIndex index) noexcept;
 // `index` if it names a simulated device, else the error torch.sim raises for it.
 int check_index(int index);
 
-// ---- placement (placement.cpp; harness/sim/placement.py says why) -------------------------------------
 // PORTHARNESS_SIM_VISIBLE_DEVICES, read live: the visible device count (-1: unset) and the physical device
 // behind logical `index`; "sim:1 (physical sim:3)" for messages.
 int visible_count() noexcept;
 int physical_index(int index) noexcept;
 std::string device_label(int dev);
+
+// ---- placement (placement.cpp; harness/sim/placement.py says why) -------------------------------------
 // The first use of `dev` by this process: it takes the device (exclusive) or joins its tenants (shared),
 // or raises "sim:0 is in use by process N (...)". Cheap after the first call.
 void claim(int dev);
@@ -60,7 +68,7 @@ class Turn {
   void* lock_ = nullptr;
 };
 
-// ---- memory ----------------------------------------------------------------------------------------
+// ---- memory (allocator.cpp) ----------------------------------------------------------------------------
 // A sim storage holds host memory counted on its device until the storage dies. Its DataPtr's context
 // is a Block: the host memory is owned by `host` (allocator, resize) or kept alive by `keep` (a CPU
 // kernel's output adopted without a copy).
@@ -89,9 +97,14 @@ std::pair<int64_t, int64_t> memory_info(int dev);
 bool fits(int dev, int64_t bytes);  // counts an OOM when they do not
 void reset_peak(int dev);
 void reset_accumulated(int dev);
+// ---- streams and events (streams.cpp) ----------------------------------------------------------------
 int64_t current_stream(int dev);
 void set_stream(int dev, int64_t id);
-void register_device();  // the device guard and the DeviceAllocator
+int64_t new_stream_id();
+void record_event(void** event);  // makes the event on its first record
+void destroy_event(void* event) noexcept;
+double elapsed_ms(void* start, void* end);
+void register_device();  // the device guard (guard.cpp) and the DeviceAllocator
 }  // namespace sim
 
 #include <ATen/core/Generator.h>

@@ -1,25 +1,16 @@
-// The runtime half of sim's native backend (see harness/sim/native.py):
-//
-// - a device guard: torch's Python-registered PrivateUse1 guard reports one device and ignores
-//   setDevice, so the autograd engine would have a ready queue for sim:0 only. This one tracks a
-//   per-thread current device and stream, reports the live device count, and keeps events (with
-//   timestamps) and streams as no-ops that order trivially: every sim kernel has finished when it
-//   returns.
-// - the c10::DeviceAllocator of every sim storage (torch.accelerator's memory API requires one): host
-//   memory, counted per simulated device against its memory size, so allocations beyond it raise
-//   torch.OutOfMemoryError as a real device's do.
+// sim's device allocator (as OpenReg's OpenRegDeviceAllocator): the c10::DeviceAllocator of every sim
+// storage, which torch.accelerator's memory API requires. Its memory is host memory, counted per simulated
+// device against the device's memory size (and, on a shared device, against the budget its processes
+// share: placement.cpp), so an allocation beyond it raises torch.OutOfMemoryError as a real device's does.
+// Nothing is cached: reserved is allocated, and freed memory goes back at once.
 #include "sim.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 #include <array>
-#include <atomic>
-#include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -29,17 +20,11 @@ namespace {
 using c10::Device;
 using c10::DeviceIndex;
 using c10::Stream;
-using c10::StreamId;
 using c10::CachingDeviceAllocator::DeviceStats;
 using Stat = c10::CachingAllocator::Stat;
 using StatType = c10::CachingAllocator::StatType;
 
 constexpr size_t kLargeBytes = 1 << 20;  // CUDA's small/large pool boundary, for memory_stats()
-
-// Per thread, as on CUDA: the autograd engine's worker for sim:1 sets its own current device.
-thread_local DeviceIndex current = 0;
-thread_local std::array<StreamId, kMaxDevices> current_streams{};
-std::atomic<StreamId> next_stream_id{1};
 
 struct DeviceMemory {
   Stat bytes[3];  // indexed by StatType: aggregate, small pool, large pool
@@ -86,7 +71,7 @@ std::string format_bytes(double n) {
 
 struct SimAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
-    int dev = current;
+    int dev = current_device();
     if (!account_alloc(dev, n)) throw_oom(dev, n);
     c10::DataPtr host;
     try {
@@ -128,85 +113,7 @@ struct SimAllocator final : c10::DeviceAllocator {
 // Never destroyed: torch may still call them while the process exits.
 SimAllocator& the_allocator = *new SimAllocator();
 
-struct Event {
-  std::chrono::steady_clock::time_point at;
-};
-
-struct SimGuard final : c10::impl::DeviceGuardImplInterface {
-  c10::DeviceType type() const override { return kSim; }
-  Device exchangeDevice(Device d) const override {
-    Device old = getDevice();
-    if (d.index() != old.index()) setDevice(d);
-    return old;
-  }
-  Device getDevice() const override { return Device(kSim, current); }
-  void setDevice(Device d) const override {
-    TORCH_CHECK(d.type() == kSim, "sim device guard got a ", d.type(), " device");
-    current = static_cast<DeviceIndex>(check_index(d.index()));
-  }
-  void uncheckedSetDevice(Device d) const noexcept override {
-    if (d.index() >= 0 && d.index() < kMaxDevices) current = d.index();
-  }
-  Stream getStream(Device d) const override { return Stream(Stream::UNSAFE, d, current_streams.at(d.index())); }
-  Stream getDefaultStream(Device d) const override { return Stream(Stream::DEFAULT, d); }
-  Stream getStreamFromGlobalPool(Device d, bool /*isHighPriority*/) const override { return getNewStream(d, 0); }
-  Stream getNewStream(Device d, int /*priority*/) const override {
-    return Stream(Stream::UNSAFE, d, next_stream_id++);
-  }
-  Stream exchangeStream(Stream s) const override {
-    Stream old = getStream(s.device());
-    current_streams.at(s.device_index()) = s.id();
-    return old;
-  }
-  DeviceIndex deviceCount() const noexcept override { return static_cast<DeviceIndex>(device_count()); }
-  // Kernels run synchronously on the host: every stream is idle, every event has completed.
-  void record(void** event, const Stream& /*stream*/, const DeviceIndex /*device_index*/,
-              const c10::EventFlag /*flag*/) const override {
-    if (*event == nullptr) *event = new Event();
-    static_cast<Event*>(*event)->at = std::chrono::steady_clock::now();
-  }
-  void block(void* /*event*/, const Stream& /*stream*/) const override {}
-  bool queryEvent(void* /*event*/) const override { return true; }
-  void destroyEvent(void* event, const DeviceIndex /*device_index*/) const noexcept override {
-    delete static_cast<Event*>(event);
-  }
-  bool queryStream(const Stream& /*stream*/) const override { return true; }
-  void synchronizeStream(const Stream& /*stream*/) const override {}
-  void synchronizeEvent(void* /*event*/) const override {}
-  void synchronizeDevice(const DeviceIndex /*device_index*/) const override {}
-  double elapsedTime(void* event1, void* event2, const DeviceIndex /*device_index*/) const override {
-    TORCH_CHECK(event1 != nullptr && event2 != nullptr,
-                "Both events must be recorded before calculating elapsed time.");
-    auto dt = static_cast<Event*>(event2)->at - static_cast<Event*>(event1)->at;
-    return std::chrono::duration<double, std::milli>(dt).count();
-  }
-};
-
-SimGuard& the_guard = *new SimGuard();
-
 }  // namespace
-
-// Same variables and default as harness/sim/indices.py: the visible devices, else every simulated one.
-int device_count() noexcept {
-  int visible = visible_count();
-  if (visible >= 0) return visible < 1 ? 1 : visible;
-  const char* raw = std::getenv("PORTHARNESS_SIM_DEVICES");
-  if (raw == nullptr || *raw == '\0') return 2;
-  long n = std::strtol(raw, nullptr, 10);
-  return n < 1 ? 1 : (n > kMaxDevices ? kMaxDevices : static_cast<int>(n));
-}
-
-DeviceIndex current_device() noexcept { return current; }
-
-void set_current_device(DeviceIndex index) noexcept { current = index; }
-
-int check_index(int index) {
-  int count = device_count();
-  TORCH_CHECK(index >= 0 && index < count, "sim device index ", index, " out of range: ", count,
-              visible_count() >= 0 ? " visible simulated devices (PORTHARNESS_SIM_VISIBLE_DEVICES)" : " simulated devices",
-              " (set PORTHARNESS_SIM_DEVICES to simulate more)");
-  return index;
-}
 
 c10::Allocator* allocator() { return &the_allocator; }
 
@@ -321,15 +228,6 @@ void reset_accumulated(int dev) {
     m.blocks[i].reset_accumulated();
   }
   m.num_ooms = 0;
-}
-
-int64_t current_stream(int dev) { return current_streams.at(dev); }
-
-void set_stream(int dev, int64_t id) { current_streams.at(dev) = id; }
-
-void register_device() {
-  c10::impl::registerDeviceGuard(kSim, &the_guard);
-  c10::SetAllocator(kSim, &the_allocator, /*priority=*/UINT8_MAX);
 }
 
 }  // namespace sim
