@@ -232,7 +232,7 @@ void cumprod(const c10::OperatorHandle& op, Stack* stack) {
 void extremum(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor a = arg(op, stack, "self").toTensor(), b = arg(op, stack, "other").toTensor();
   if (!a.is_floating_point() || !b.is_floating_point()) return cpu(op, stack);
-  at::Tensor tie = a.eq(0).logical_and_(b.eq(0));
+  at::Tensor tie = at::logical_and(a.eq(0), b.eq(0));  // broadcast: in-place would keep self's shape
   if (!tie.any().item<bool>()) return cpu(op, stack);
   at::Tensor first = a.clone();  // out= may be self
   cpu(op, stack);
