@@ -312,12 +312,20 @@ def probe_hf_tp(ctx: Ctx) -> list[tuple[float, float]]:
         from transformers import DistributedConfig
 
         kw = {"distributed_config": DistributedConfig(tp_size=ctx.tp.size(), dp_replicate_size=ctx.dp.size())}
+    # It also binds each process to LOCAL_RANK's device, 0 when unset: ranks started without a launcher must set
+    # LOCAL_RANK, or every rank lands on device 0 (which exclusive devices refuse, and the ranks that went on
+    # then wait for the refused ones in the group's collectives, for c10d's default 30 min).
+    unset = "LOCAL_RANK" not in os.environ and ctx.device.type != "cpu"
+    if unset:
+        os.environ["LOCAL_RANK"] = str(ctx.device.index)
     try:
         model = LlamaForCausalLM.from_pretrained(path, use_kernels=False, **kw).eval()
         with torch.no_grad():
             got = model(ids.to(model.device)).logits
     finally:
-        if ctx.device.type != "cpu":  # it bound this process to LOCAL_RANK's device (0 when unset, as by hand)
+        if unset:
+            del os.environ["LOCAL_RANK"]
+        if ctx.device.type != "cpu":
             torch.accelerator.set_device_index(ctx.device.index)
     return [_compare(ctx, got, want)]
 
