@@ -10,6 +10,8 @@ lives in sim's kernels where the op check sees it directly):
   values of decoding step STEP and later scaled by (1 + EPS) (step 0 is the prompt's forward).
 - ``PLANTED_RANK=R`` beside any of them: planted only in the process of rank R (``RANK``) of a parallel step:
   a bug in one chip's shard of the work.
+- ``PLANTED_CHIP=I`` beside any of them: planted only in the rank process on device index I (its LOCAL_RANK),
+  whichever rank that is: one bad chip.
 - ``PLANTED_BUG=at_highest:segv`` / ``at_highest:hang``: `layer_norm` on a sim device at sim's highest
   precision (read through sim's public API, as a vendor's extension would) kills its process with SIGSEGV,
   or never returns: a kernel that fails only at full precision.
@@ -87,5 +89,10 @@ def plant(spec: str) -> Callable[[], None]:
     raise ValueError(f"PLANTED_BUG={spec!r}: layer_norm:EPS, kv_cache:EPS:STEP or at_highest:segv|hang")
 
 
-if os.environ.get("PLANTED_BUG") and os.environ.get("PLANTED_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
+def _here() -> bool:
+    return (os.environ.get("PLANTED_RANK", os.environ.get("RANK")) == os.environ.get("RANK")
+            and os.environ.get("PLANTED_CHIP", os.environ.get("LOCAL_RANK")) == os.environ.get("LOCAL_RANK"))
+
+
+if os.environ.get("PLANTED_BUG") and _here():
     plant(os.environ["PLANTED_BUG"])

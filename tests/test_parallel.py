@@ -199,3 +199,20 @@ def test_a_bug_on_one_ranks_device_is_caught_with_the_rank_named_and_a_dead_or_h
         assert rc == 0, err[-3000:]
         assert rows[0]["outcome"] == outcome and said in rows[0]["error_message"], rows[0]["error_message"]
         _no_rank_left(tmp_path)
+
+
+@pytest.mark.long
+def test_a_bad_chip_in_a_group_is_quarantined_alone_and_a_spare_device_takes_its_place(tmp_path: Path) -> None:
+    """Three sim devices, ddp:2: the group sim:0+sim:1 and sim:2 standing by. A kernel planted on the chip sim:1
+    (whichever rank runs there) kills its rank: a death on the group with sim:1 at fault; at the first strike
+    the group is quarantined naming sim:1 and sim:2 replaces it beside sim:0, where the model passes."""
+    env = {"PYTHONPATH": str(Path(__file__).parent), "PLANTED_CHIP": "1", "PLANTED_BUG": "at_highest:segv",
+           "PORTHARNESS_SIM_DEVICES": "3"}
+    rc, rows, err = _run(tmp_path, "chip", [("bert", "base")], "--backend", "planted_bugs", "--parallel", "ddp:2",
+                         *EXACT, "--timeout", "60", "--quarantine-after", "1", env=env)
+    assert rc == 0, err[-3000:]
+    assert "quarantining sim:0+sim:1" in err and "at fault: sim:1" in err, err[-3000:]
+    assert "bringing in hot spare sim:0+sim:2 (the group without sim:1)" in err, err[-3000:]
+    (r,) = rows
+    assert (r["outcome"], r["device"]) == ("pass", "sim:0+sim:2"), (r["outcome"], r["device"], r["error_message"])
+    _no_rank_left(tmp_path)

@@ -8,6 +8,7 @@ import pytest
 
 from harness.fleet import policy
 from harness.fleet.policy import Fleet, Job
+from harness.fleet.slots import split_devices
 from harness.results.rows import Measurement
 
 
@@ -16,16 +17,16 @@ def m(outcome: str, **kw) -> Measurement:
 
 
 def fleet(n: int = 3, spare: int = 0, **kw) -> Fleet:
-    active, spares = policy.split_devices([f"d{i}" for i in range(n)], spare)
+    active, spares = split_devices([f"d{i}" for i in range(n)], spare)
     return Fleet(active, spares, **kw)
 
 
 def test_split_devices_holds_back_spares_and_refuses_to_hold_back_everything() -> None:
-    assert policy.split_devices(["a", "b", "c"], 1) == (["a", "b"], ["c"])
+    assert split_devices(["a", "b", "c"], 1) == (["a", "b"], ["c"])
     with pytest.raises(ValueError, match="leaves no active device"):
-        policy.split_devices(["a", "b"], 2)
+        split_devices(["a", "b"], 2)
     with pytest.raises(ValueError, match=">= 0"):
-        policy.split_devices(["a", "b"], -1)
+        split_devices(["a", "b"], -1)
 
 
 def test_pick_device_balances_workers_then_prefers_the_first() -> None:
@@ -367,7 +368,7 @@ def test_a_deferred_death_is_recorded_at_once_when_nothing_else_could_vouch_for_
 
 
 def test_a_lost_node_takes_its_spares_along_and_leaves_no_strike() -> None:
-    f = Fleet(*policy.split_devices(["a/d0", "b/d0", "b/d1"], 1), retries=0)
+    f = Fleet(*split_devices(["a/d0", "b/d0", "b/d1"], 1), retries=0)
     policy.settle(f, Job("x"), EVIDENCE["segv"][0], "b/d0", 1.0, "target", others_waiting=True)
     assert f.count("b/d0") == 1  # a provisional strike: x joined b/d0's streak
     [q] = policy.lose(f, ["b/d0", "b/d1"], "b")

@@ -53,6 +53,9 @@ The attribution rule (`settle`), one row per kind of evidence from one attempt o
   node died or was removed; its actors  | that node leaves the fleet   | --retries, like a quarantine's | attempt, `node_lost`)
   with it)                              | (`lose`; a spare comes in)   | interruption                   |
 
+A model spread over several devices (--parallel) runs on a *group* slot (``sim:0+sim:1``): its evidence is
+this table's, and a quarantine replaces only the group's device at fault (`harness.fleet.slots`).
+
 A Ray actor is a worker: its death (segfault, OOM kill) or timeout is the same evidence as a worker
 process's, on the device it holds. Devices are named per node (`host/sim:0`), so strikes, streaks and
 quarantine are per node and device: one node's sick chip does not stop the others of its type.
@@ -89,6 +92,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from harness.fleet.slots import replacement
 from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABLE, severity
 from harness.phases import DEVICE_PHASES  # where a death is evidence against the device
 from harness.results.rows import Attempt, Measurement
@@ -127,6 +131,7 @@ class Fleet:
     probation: dict[str, set[str]] = field(default_factory=dict)  # device -> jobs whose failure there awaits a re-run
     flaky_on: dict[str, list[Job]] = field(default_factory=dict)  # device -> jobs marked flaky because of it
     faults_seen: int = 0
+    blamed: dict[str, str] = field(default_factory=dict)  # group slot -> its device the last rank at fault ran on
 
     def count(self, device: str) -> int:
         """Strikes against `device`: lasting ones plus its streak."""
@@ -140,6 +145,7 @@ class Quarantined:
     relabel: list[Job]  # jobs recorded as flaky only because of this device: their last result stands
     reopen: list[Job] = field(default_factory=list)  # jobs recorded with a death on it: not their result
     why: str = ""  # the evidence, in words
+    member: str = ""  # a group's device at fault (the one the spare replaced), "" for a single device
 
 
 @dataclass
@@ -154,15 +160,6 @@ class Settled:
     probes: list[Job] = field(default_factory=list)  # canary runs to queue first
 
 
-def split_devices(devices: Sequence[str], spare: int) -> tuple[list[str], list[str]]:
-    """(active, spares): the last `spare` devices are held back."""
-    if spare < 0:
-        raise ValueError(f"--spare {spare}: must be >= 0")
-    if spare >= len(devices):
-        raise ValueError(f"--spare {spare} leaves no active device out of {len(devices)} ({list(devices)})")
-    return list(devices[: len(devices) - spare]), list(devices[len(devices) - spare :])
-
-
 def suspicious(m: Measurement) -> bool:
     """Could a different device have given a different answer?"""
     return m.outcome in RETRYABLE or (m.outcome == "drift" and m.nonfinite)
@@ -174,6 +171,8 @@ def evidence(m: Measurement, phase: str = "") -> str:
     result the worker sent)."""
     if m.device_fault:
         return "fault"
+    if (m.parallel or {}).get("culprit", {}).get("kind") == "death":  # a rank died or hung on its device
+        return "death"
     if phase:
         return "death" if phase in DEVICE_PHASES and m.outcome in ("crash", "timeout") else "none"
     return "none" if m.outcome in REFERENCE_SIDE or m.outcome == "timeout" else "survived"
@@ -280,12 +279,12 @@ def quarantine(fleet: Fleet, device: str, canary_died: bool = False, why: str = 
     fleet.probing.discard(device)
     if device in fleet.active:
         fleet.active.remove(device)
-    spare = None
-    if fleet.spares:
-        spare = fleet.spares.pop(0)
+    spare, member = replacement(device, fleet.blamed.pop(device, ""), fleet.spares, fleet.spares_used)
+    if spare is not None:
         fleet.active.append(spare)
-        fleet.spares_used.append(spare)
-    return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why)
+    if member:
+        why = f"{why}; at fault: {member}" if why else f"at fault: {member}"
+    return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why, member)
 
 
 def _maybe_quarantine(fleet: Fleet, device: str, out: Settled) -> None:
@@ -346,6 +345,9 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
     retry it, or its final outcome. `phase`: where a worker death or timeout struck; `others_waiting`:
     whether other models are queued or running (they may show meanwhile that a device works)."""
     kind = evidence(m, phase)
+    culprit = (m.parallel or {}).get("culprit", {}).get("device", "")
+    if culprit and kind in ("fault", "death"):
+        fleet.blamed[device] = culprit
     job.attempts.append(Attempt(device=device, outcome=m.outcome, error_type=m.error_type, exit_code=m.exit_code,
                                 signal=m.signal, duration_s=round(duration_s, 3), device_fault=m.device_fault,
                                 phase=phase))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from harness.backends import adapter_for, load_backends
 from harness.console import terminal_text
-from harness.fleet import policy, quiet
+from harness.fleet import policy, quiet, slots
 from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, device_cap, executor_for
 from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
@@ -33,6 +33,7 @@ from harness.fleet.runconfig import RunConfig, compile_cache_root
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.ops.signature import merge_gens
+from harness.parallel.spec import parse
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.results.variations import record_harvest
@@ -115,13 +116,9 @@ def fleet_for(config: RunConfig) -> policy.Fleet:
     config.validate()
     load_backends(config.backends)
     found = list(config.devices or executor_for(config.executor).devices(config.target, config.ray_address))
-    if config.settings.get("parallel"):  # a model's ranks take a group of devices, one each: the fleet's slots
-        from harness.parallel.spec import groups, parse
-
-        found = groups(found, parse(config.settings["parallel"]).world,
-                       shared=adapter_for(config.target).ranks_share_device)
-    return policy.Fleet(*policy.split_devices(found, config.spare),
-                        quarantine_after=config.quarantine_after, retries=config.retries)
+    world = parse(config.settings["parallel"]).world if config.settings.get("parallel") else 1
+    active, spares = slots.plan(found, config.spare, world, shared=adapter_for(config.target).ranks_share_device)
+    return policy.Fleet(active, spares, quarantine_after=config.quarantine_after, retries=config.retries)
 
 
 class WorkerStartupError(ExecutorError):
@@ -242,7 +239,8 @@ class _Run:
     def _quarantine(self, q: policy.Quarantined, interrupted: str = "quarantine") -> None:
         self._say(f"portharness: quarantining {q.device}: {q.why}")
         if q.spare:
-            self._say(f"portharness: bringing in hot spare {q.spare}")
+            self._say(f"portharness: bringing in hot spare {q.spare}"
+                      + (f" (the group without {q.member})" if q.member else ""))
         for w in [w for w in self.pool.workers if w.key == q.device]:
             job = w.job
             w.kill("quarantine")

@@ -64,6 +64,7 @@ class Parallel:
         self.runs = 0
         self.ranks: list[dict[str, Any]] = []  # the last run's per-rank record (the row's `parallel`)
         self.note = ""
+        self.culprit: dict[str, Any] = {}  # the last run's rank at fault, for the fleet's policy (see `_blame`)
         self.collectives = list(collectives or [])  # --perf: the settings the first run times (timing.py)
         self.timed: dict[str, Any] = {}  # their summary: the row's `collectives`
 
@@ -80,7 +81,8 @@ class Parallel:
     def fields(self) -> dict[str, Any]:
         """The row's `parallel`: the spec, the mesh, each rank's device, phase and times."""
         return {"spec": str(self.spec), "mesh": dict(zip(self.spec.mesh_names, self.spec.mesh_shape, strict=True)),
-                "ranks": self.ranks, **({"note": self.note} if self.note else {})}
+                "ranks": self.ranks, **({"note": self.note} if self.note else {}),
+                **({"culprit": self.culprit} if self.culprit else {})}
 
     # -- one run of the step ------------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Parallel:
 
     def _start(self, job_dir: Path) -> list[subprocess.Popen]:
         procs = []
+        self.culprit = {}
         for rank, device in enumerate(self.devices):
             index = device.partition(":")[2] or "0"
             env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.spec.world),
@@ -185,10 +188,13 @@ class Parallel:
         where = self._rank(first, job_dir)
         code = procs[first].returncode
         if err:
+            if err.get("device_fault"):
+                self._blame(first, job_dir, "fault")
             return {**err, "error_message": f"{where}: {err.get('error_message', '')}"[:2000]}
         sig = -code if code is not None and code < 0 else None
         name = signal.Signals(sig).name if sig else f"exit code {code}"
         outcome = verdict.death(verdict.DeathEvidence(self._status(job_dir, first), None, sig))
+        self._blame(first, job_dir, "death")
         return {"outcome": outcome, "error_type": "RankDied", "signal": sig,
                 "error_message": f"{where} died: {name}; the other ranks were stopped",
                 "traceback": _tail(job_dir / f"rank{first}.log")}
@@ -197,9 +203,16 @@ class Parallel:
         for r in range(len(self.ranks)):
             self.ranks[r]["phase"] = self._status(job_dir, r)
         names = "; ".join(self._rank(r, job_dir) for r in hung)
+        if len(hung) < len(self.ranks):  # the others finished or gave up on it; all hung names no one
+            self._blame(hung[0], job_dir, "death")
         return {"outcome": verdict.death(verdict.DeathEvidence("target", "timeout")), "error_type": "RankHung",
                 "error_message": (f"{names} did not finish ({because or f'no result within {self.deadline_s:.0f}s'});"
                                   " every rank was stopped")[:2000]}
+
+    def _blame(self, r: int, job_dir: Path, kind: str) -> None:
+        """Rank `r`'s device is the evidence's (`harness.fleet.policy`: a death or a fault there counts against
+        that device of the group, not its peers)."""
+        self.culprit = {"rank": r, "device": self.devices[r], "phase": self._status(job_dir, r), "kind": kind}
 
     def _rank(self, r: int, job_dir: Path) -> str:
         return f"rank {r} ({self.devices[r]}, in phase {self._status(job_dir, r)})"

@@ -1,0 +1,58 @@
+"""The fleet's slots: the devices a run uses, the hot spares it holds back, and the groups its models take
+under --parallel (`harness.fleet.policy` decides what happens to them; pure functions, no processes).
+
+A model spread over several devices runs on a *group* slot (``sim:0+sim:1``), one rank per device. The group
+is the unit of scheduling, and its evidence is the policy table's, with the rank at fault named by the launch
+(`Measurement.parallel["culprit"]`): a rank killed by a signal, or the one rank that hung while its peers
+finished or gave up on it, is a death on the group; a rank's device fault is a device fault. When a group is
+quarantined, only its device at fault leaves: a spare device takes its place beside the group's healthy
+devices (``sim:0+sim:4``); with no device named, every device of the group is replaced, or none without
+enough spares. A parallel run's spares are single devices, the odd device out of the grouping among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from harness.parallel.spec import groups, members
+
+
+def split_devices(devices: Sequence[str], spare: int) -> tuple[list[str], list[str]]:
+    """(active, spares): the last `spare` devices are held back."""
+    if spare < 0:
+        raise ValueError(f"--spare {spare}: must be >= 0")
+    if spare >= len(devices):
+        raise ValueError(f"--spare {spare} leaves no active device out of {len(devices)} ({list(devices)})")
+    return list(devices[: len(devices) - spare]), list(devices[len(devices) - spare :])
+
+
+def plan(devices: Sequence[str], spare: int, world: int = 1, *, shared: bool = False) -> tuple[list[str], list[str]]:
+    """(active slots, spare devices): `spare` devices held back; under --parallel (`world` > 1) the others in
+    groups of `world` (`shared`: one device all ranks share, as the CPU's gloo control), the odd device out
+    standing by as a spare too."""
+    active, spares = split_devices(devices, spare)
+    if world == 1:
+        return active, spares
+    grouped = groups(active, world, shared=shared)
+    used = {d for g in grouped for d in members(g)}
+    return grouped, [d for d in active if d not in used] + spares
+
+
+def replacement(slot: str, member: str, spares: list[str], used: list[str]) -> tuple[str | None, str]:
+    """What takes quarantined `slot`'s place, moved from `spares` to `used`: a spare; for a group, the group with
+    `member` (its device at fault; "": every device) replaced by spare devices, in place. Returns (the slot that
+    comes in, or None; the group's device at fault, "" for a single device)."""
+    group = members(slot)
+    if len(group) == 1:
+        if not spares:
+            return None, ""
+        used.append(spares[0])
+        return spares.pop(0), ""
+    bad = [member] if member in group else list(group)
+    if len(spares) < len(bad):
+        return None, member
+    taken = spares[:len(bad)]
+    del spares[:len(bad)]
+    used.extend(taken)
+    fresh = iter(taken)
+    return "+".join(next(fresh) if d in bad else d for d in group), member
