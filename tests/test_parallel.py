@@ -79,7 +79,7 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
         (["--parallel", "tp:2"], "none of the 2 model(s)"),
         (["--parallel", "ddp:2", "--collectives", "skinny"], "only with --parallel and --perf"),
         (["--parallel", "ddp:2", "--perf", "--collectives", "warp:9"], "warp:9"),
-        (["--parallel", "ddp:2", "--compile", "eager"], "not with --compile yet"),
+        (["--parallel", "ddp:2", "--executor", "ray"], "not with --executor ray yet"),
         (["--dist-backend", "gloo"], "only with --parallel"),
     ]
     for extra, said in cases:
@@ -216,3 +216,18 @@ def test_a_bad_chip_in_a_group_is_quarantined_alone_and_a_spare_device_takes_its
     (r,) = rows
     assert (r["outcome"], r["device"]) == ("pass", "sim:0+sim:2"), (r["outcome"], r["device"], r["error_message"])
     _no_rank_left(tmp_path)
+
+
+@pytest.mark.long
+def test_ranks_run_compiled_and_under_autocast_as_one_device_does(tmp_path: Path) -> None:
+    """--compile: every rank compiles its wrapped model (the row counts rank 0's graphs); --amp: every rank's step
+    runs under autocast (before, the ranks ran fp32 and a bf16-autocast row passed at fp32: nothing was cast)."""
+    rc, rows, err = _run(tmp_path, "compiled", [("bert", "base")], "--parallel", "fsdp:2", "--mode", "train",
+                         "--compile", "aot_eager", *EXACT)
+    assert rc == 0, err[-3000:]
+    (r,) = rows
+    assert r["outcome"] == "pass", r["error_message"]
+    assert r["graph_count"] >= 1 and r["compile_s"] > 0, (r["graph_count"], r["compile_s"])
+    rc, rows, err = _run(tmp_path, "amp", [("bert", "base")], "--parallel", "ddp:2", "--amp", "bf16", *EXACT)
+    assert rc == 0, err[-3000:]
+    assert rows[0]["outcome"] == "pass_declared", rows[0]["error_message"]

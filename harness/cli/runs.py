@@ -157,12 +157,10 @@ def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
     from harness.parallel.spec import parse
 
     spec = parse(args.parallel)
-    for given, flag in ((getattr(args, "compile", None), "--compile"),
-                        (getattr(args, "executor", "local") != "local", "--executor ray"),
+    for given, flag in ((getattr(args, "executor", "local") != "local", "--executor ray"),
                         (getattr(args, "harvest", False), "--harvest")):
         if given:
-            raise ValueError(f"--parallel {spec}: not with {flag} yet (the parallel step runs eagerly, on this host's "
-                             "devices)")
+            raise ValueError(f"--parallel {spec}: not with {flag} yet (the ranks run on this host's devices)")
     if args.dist_backend is None:
         adapter.dist_backend()  # ValueError when the target's device type has no c10d backend
     return {"parallel": str(spec)}

@@ -67,6 +67,7 @@ class Parallel:
         self.culprit: dict[str, Any] = {}  # the last run's rank at fault, for the fleet's policy (see `_blame`)
         self.collectives = list(collectives or [])  # --perf: the settings the first run times (timing.py)
         self.timed: dict[str, Any] = {}  # their summary: the row's `collectives`
+        self.compiled: dict[str, Any] = {}  # --compile: rank 0's graphs, breaks and compile time (CompileWatch's)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -87,9 +88,11 @@ class Parallel:
     # -- one run of the step ------------------------------------------------------------------------
 
     def run(self, *, model: torch.nn.Module, entry: dict[str, Any], inputs: dict[str, Any], settings: dict[str, Any],
-            seed: int, fields: dict[str, Any], reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            seed: int, fields: dict[str, Any], reference: dict[str, torch.Tensor],
+            cfg: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """The step on every rank; the outputs judged (see the module docstring). A rank that fails or hangs stops
-        the row (`Stop`) with its fields, the rank named."""
+        the row (`Stop`) with its fields, the rank named. `cfg`: how the ranks run it (`harness.run.compiled`'s
+        Configuration as a dict: compiled or eager, autocast; None: eager)."""
         if not self.saved:
             from harness.run.train import as_loaded
 
@@ -104,7 +107,7 @@ class Parallel:
         shutil.copy(self.dir / "inputs.pt", job_dir / "inputs.pt")
         cls = type(model)
         job = {"dir": str(job_dir), "entry": entry, "model_class": f"{cls.__module__}:{cls.__qualname__}",
-               "settings": settings, "seed": seed, "fields": fields, "spec": str(self.spec), "devices": self.devices,
+               "settings": settings, "cfg": cfg or {}, "seed": seed, "fields": fields, "spec": str(self.spec), "devices": self.devices,
                "dist_backend": self.dist_backend, "backends": self.backends,
                "timeout_s": max(5.0, min(120.0, self.deadline_s / 3)),
                # which parameters train, as the reference has them (from_pretrained does not keep every flag)
@@ -122,6 +125,7 @@ class Parallel:
                 p.wait(timeout=30)
         outs = [torch.load(job_dir / f"rank{r}.out.pt", weights_only=False) for r in range(len(procs))]
         timed = self.ranks[0].pop("collectives", None)
+        self.compiled = self.ranks[0].get("compiled", {})  # the row's graph and compile fields: rank 0's
         for r in self.ranks:
             r.pop("collectives", None)
         if timed:

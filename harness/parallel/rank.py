@@ -14,6 +14,7 @@ is named with where it hung.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -81,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
         mesh = init_device_mesh(device.type, spec.mesh_shape, mesh_dim_names=spec.mesh_names)
         say("load")
+        from harness.backends.contracts import amp
         from harness.models.load import LoadedModel
         from harness.models.model_list import ModelEntry
         from harness.parallel.wrap import unwrap_names, wrap
+        from harness.run.compiled import CompileWatch, Configuration, compile_model
         from harness.run.modes import mode_for
         from harness.run.target import to_device
 
@@ -101,11 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         wrapped = wrap(model, spec, mesh, training=mode.name == "train", device=device)
         params = list(model.parameters())
         info["sharded_params"] = f"{sum(hasattr(p, 'placements') for p in params)} of {len(params)}"  # DTensors
+        cfg = Configuration(**job["cfg"])  # compiled or eager, autocast: the worker's variant's (harness.run.target)
+        watch = CompileWatch() if cfg.compiled else contextlib.nullcontext()
         say("step")
-        with adapter.apply(job["settings"]):
+        with adapter.apply(job["settings"]), amp(cfg.amp_dtype), watch:
             adapter.seed(job["seed"])
             on_device = to_device(plan.inputs, device)
-            plan.step(wrapped, on_device)  # first-call costs, as the pipeline's warm-up
+            if cfg.compiled:
+                compile_model(wrapped, cfg)  # FSDP2's and TP's hooks and collectives traced with the model
+            plan.step(wrapped, on_device)  # first-call costs (compiled: the compile), as the pipeline's warm-up
+            if isinstance(watch, CompileWatch):
+                info["compiled"] = watch.freeze()
             t0 = time.perf_counter()
             out = plan.step(wrapped, on_device)
             adapter.synchronize(device_name)

@@ -304,8 +304,9 @@ def _parallel_side(run: ModelRun, variant: Variant) -> TargetSide:
     assert run.side is not None
     t0 = time.perf_counter()
     out = run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
-                           seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref)
-    row: dict[str, Any] = {"parallel": run.parallel.fields()}
+                           seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
+                           cfg=asdict(variant.cfg))
+    row: dict[str, Any] = {"parallel": run.parallel.fields(), **run.parallel.compiled}
     if run.parallel.timed:
         row["collectives"] = run.parallel.timed
     return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None, row=row)
