@@ -193,6 +193,13 @@ def test_a_bug_on_one_ranks_device_is_caught_with_the_rank_named_and_a_dead_or_h
     rc, rows, err = _run(tmp_path, "drift", [("bert", "base")], *base, env={**plant, "PLANTED_BUG": "layer_norm:0.01"})
     assert rc == 0, err[-3000:]
     assert rows[0]["outcome"] == "drift" and "judged: rank 1 (sim:1)" in rows[0]["error_message"], rows[0]["error_message"]
+    assert rows[0]["first_drift_module"] == "embeddings.LayerNorm", rows[0]["error_message"]  # localized on the ranks
+    # tensor parallel: the ranks agree at the output (the reduced result drifts); their modules name rank 1's norm
+    rc, rows, err = _run(tmp_path, "tp", [("phi", "causal-lm")], *base[:3], "tp:2", *base[4:],
+                         env={**plant, "PLANTED_BUG": "layer_norm:0.01"})
+    assert rc == 0, err[-3000:]
+    assert rows[0]["outcome"] == "drift" and rows[0]["first_drift_module"] == "model.layers.0.input_layernorm", rows[0]
+    assert "first drifting module is model.layers.0.input_layernorm on rank 1 (sim:1)" in rows[0]["error_message"]
     for how, outcome, said in (("segv", "crash", "rank 1 (sim:1, in phase step) died: SIGSEGV"),
                                ("hang", "timeout", "rank 1 (sim:1, in phase step) did not finish")):
         rc, rows, err = _run(tmp_path, how, [("bert", "base")], *base, env={**plant, "PLANTED_BUG": f"at_highest:{how}"})

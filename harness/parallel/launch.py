@@ -68,6 +68,8 @@ class Parallel:
         self.collectives = list(collectives or [])  # --perf: the settings the first run times (timing.py)
         self.timed: dict[str, Any] = {}  # their summary: the row's `collectives`
         self.compiled: dict[str, Any] = {}  # --compile: rank 0's graphs, breaks and compile time (CompileWatch's)
+        self.judged_rank = 0  # the rank whose outputs the row is judged by (`_judged`)
+        self.modules: list[list[Any]] = []  # localize: each rank's modules' outputs (harness.run.localize's)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -89,10 +91,11 @@ class Parallel:
 
     def run(self, *, model: torch.nn.Module, entry: dict[str, Any], inputs: dict[str, Any], settings: dict[str, Any],
             seed: int, fields: dict[str, Any], reference: dict[str, torch.Tensor],
-            cfg: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+            cfg: dict[str, Any] | None = None, localize: bool = False) -> dict[str, torch.Tensor]:
         """The step on every rank; the outputs judged (see the module docstring). A rank that fails or hangs stops
         the row (`Stop`) with its fields, the rank named. `cfg`: how the ranks run it (`harness.run.compiled`'s
-        Configuration as a dict: compiled or eager, autocast; None: eager)."""
+        Configuration as a dict: compiled or eager, autocast; None: eager). `localize`: every rank also records its
+        modules' outputs (`modules`: per rank, as `harness.run.localize.capture` gives them)."""
         if not self.saved:
             from harness.run.train import as_loaded
 
@@ -112,7 +115,8 @@ class Parallel:
                "timeout_s": max(5.0, min(120.0, self.deadline_s / 3)),
                # which parameters train, as the reference has them (from_pretrained does not keep every flag)
                "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
-               "collectives": self.collectives if self.runs == 1 else []}  # the judged settings' step only
+               "collectives": self.collectives if self.runs == 1 else [],  # the judged settings' step only
+               "localize": localize}
         (job_dir / "job.json").write_text(json.dumps(job, default=str))
         procs = self._start(job_dir)
         try:
@@ -132,7 +136,13 @@ class Parallel:
             from harness.parallel.timing import summary
 
             self.timed = summary(timed, self.collectives)
-        return self._judged(outs, reference)
+        judged = self._judged(outs, reference)
+        if localize:
+            from harness.run.localize import ModuleOutput
+
+            self.modules = [[ModuleOutput(**r) for r in torch.load(job_dir / f"rank{k}.modules.pt", weights_only=False)]
+                            for k in range(len(procs))]
+        return judged
 
     def _start(self, job_dir: Path) -> list[subprocess.Popen]:
         procs = []
@@ -234,6 +244,7 @@ class Parallel:
         gaps = [_gap(o, reference) for o in outs]
         differ = [r for r in range(1, len(outs)) if not _same(outs[r], outs[0])]
         worst = max(range(len(outs)), key=lambda r: gaps[r])
+        self.judged_rank = worst
         for r, g in enumerate(gaps):
             self.ranks[r]["max_rel_from_reference"] = g
         if differ:

@@ -27,7 +27,7 @@ from typing import Any
 from harness.parallel.spec import ParallelSpec, parse
 
 # the attribution's stage: everything a rank does is on the target (its load is the model onto its device)
-STAGES = {"setup": "target", "rendezvous": "target", "load": "target", "step": "target"}
+STAGES = {"setup": "target", "rendezvous": "target", "load": "target", "step": "target", "localize": "target"}
 
 
 def load_model(job: dict[str, Any], spec: ParallelSpec, mesh: Any, device: Any) -> Any:
@@ -45,6 +45,20 @@ def load_model(job: dict[str, Any], spec: ParallelSpec, mesh: Any, device: Any) 
             kw = {"distributed_config": DistributedConfig(tp_size=spec.size("tp"), **dp)}
         return cls.from_pretrained(path, use_kernels=False, **kw)
     return cls.from_pretrained(path, use_kernels=False).to(device)  # the kernels hub knows no out-of-tree device
+
+
+def _modules(model: Any, wrapped: Any, inputs: dict[str, Any], path: Path) -> None:
+    """Every submodule's outputs in one forward of the wrapped model, whole (a DTensor gathered; a local shard
+    stays one: the worker compares only what has the reference's shape), saved for the worker's localization."""
+    from dataclasses import asdict
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from harness.run.localize import capture
+
+    records = capture(model, lambda: wrapped(**inputs), whole=lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+    torch.save([asdict(r) for r in records], path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 info["collectives"] = rounds(lambda: plan.step(wrapped, on_device), job["collectives"],
                                              adapter.collective_setting, lambda: adapter.synchronize(device_name),
                                              planners)
+            if job.get("localize"):  # module by module, as the CPU reference's forward records them
+                say("localize")
+                _modules(model, wrapped, on_device, job_dir / f"rank{rank}.modules.pt")
         torch.save(unwrap_names(out), job_dir / f"rank{rank}.out.pt")
         (job_dir / f"rank{rank}.info.json").write_text(json.dumps(info))
         say("done")

@@ -35,10 +35,18 @@ class DriftSite:
     output: str
     rmse_ratio: float | None
     max_abs: float | None
+    call: int = 0  # the module's nth call in the forward
+    rank: int | None = None  # --parallel: the rank whose module it is
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.module, self.call
 
 
-def capture(model: torch.nn.Module, run: Callable[[], object]) -> list[ModuleOutput]:
-    """Run `run()` with a forward hook on every submodule; return their outputs on the CPU, in order."""
+def capture(model: torch.nn.Module, run: Callable[[], object],
+            whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> list[ModuleOutput]:
+    """Run `run()` with a forward hook on every submodule; return their outputs on the CPU, in order. `whole`:
+    an output as one device's tensor (a rank's DTensor gathered: `harness.parallel.rank`)."""
     records: list[ModuleOutput] = []
     calls: dict[str, int] = {}
     handles = []
@@ -51,7 +59,7 @@ def capture(model: torch.nn.Module, run: Callable[[], object]) -> list[ModuleOut
                 flat = output_tensors(output)
             except Exception:  # an exotic output type must not break localization of the rest
                 return
-            cpu = {k: v.detach().to("cpu", copy=True) for k, v in flat.items()}
+            cpu = {k: whole(v.detach()).to("cpu", copy=True) for k, v in flat.items()}
             records.append(ModuleOutput(qualname, type(module).__name__, n, cpu))
 
         return hook
@@ -96,5 +104,5 @@ def first_drift(
             et = e.tensors.get(name) if e is not None else None
             c = check_tensor(name, rt, t, ot, tol, et)
             if not c.ok_declared:
-                return DriftSite(rec.qualname, rec.type_name, name, c.rmse_ratio, c.max_abs)
+                return DriftSite(rec.qualname, rec.type_name, name, c.rmse_ratio, c.max_abs, rec.call)
     return None

@@ -39,7 +39,7 @@ from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
 from harness.run.compiled import Configuration, compiling
 from harness.run.context import ModelRun, Stop, Task, load
-from harness.run.localize import capture, first_drift
+from harness.run.localize import ModuleOutput, capture, first_drift
 from harness.run.memory import PhaseClock
 from harness.run.modes import mode_for
 from harness.run.opcheck import OpCheck, describe, repro_preamble, write_repro
@@ -136,8 +136,7 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     # reference side needs no CPU copy for localization: the rare drift rebuilds it (`ModelRun.cpu_models`).
     params = n_params(run.model)
     run.small = params <= COPY_MAX_PARAMS
-    run.localizes = (task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
-                     and parallel is None)  # module outputs on the ranks: not yet
+    run.localizes = task.localize and mode.localizes and (mode.keeps_cpu_model or params <= COPY_MAX_PARAMS)
     run.keep_cpu = mode.keeps_cpu_model or parallel is not None or (  # the ranks load what the CPU model is
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
 
@@ -272,15 +271,27 @@ def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: dict[st
     try:
         cpu, oracle_model = run.cpu_models()
         site = _localize(run, variant, cpu, oracle_model, target)
-        run.adapter.synchronize(run.device)
+        if run.parallel is None:  # (the ranks synchronized their own devices)
+            run.adapter.synchronize(run.device)
     except Exception as e:
-        late = drain(run.adapter, run.device)
+        late = drain(run.adapter, run.device) if run.parallel is None else None
         out["error_message"] += (f"; localization failed: {type(e).__name__}: {e}"
                                  + (f" (the device then reported {type(late).__name__}: {late})" if late else ""))
     else:
         if site is not None:
             out["first_drift_module"] = site.module
             out["first_drift_module_type"] = site.module_type
+            if site.rank is not None:
+                out["error_message"] += (f"; the first drifting module is {site.module} on rank {site.rank} "
+                                         f"({run.parallel.devices[site.rank]})")
+
+
+def _whole_only(ref: list[ModuleOutput], ranks: list[ModuleOutput]) -> list[ModuleOutput]:
+    """A rank's module outputs of the reference's shapes: tensor parallel's local shards (a colwise layer's
+    slice of the features) are no module's whole output, so they judge nothing."""
+    shapes = {(r.qualname, r.call, k): t.shape for r in ref for k, t in r.tensors.items()}
+    return [replace(r, tensors={k: t for k, t in r.tensors.items() if shapes.get((r.qualname, r.call, k)) == t.shape})
+            for r in ranks]
 
 
 def _g(v: float | None) -> str:
@@ -334,6 +345,19 @@ def _localize(run: ModelRun, variant: Variant, model: torch.nn.Module, oracle_mo
     if declared is not None:
         with Emulate(declared), autocast_region("cpu"):
             expected_rec = capture(model, lambda: model(**inputs))
+    if run.parallel is not None:  # the ranks again, each recording its modules: the judged rank's
+        assert run.side is not None
+        run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
+                         seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
+                         cfg=asdict(variant.cfg), localize=True)
+        order = {(r.qualname, r.call): i for i, r in enumerate(ref_rec)}
+        sites = [(order.get(site.key, len(order)), rank, site) for rank, recs in enumerate(run.parallel.modules)
+                 if (site := first_drift(ref_rec, _whole_only(ref_rec, recs), oracle_rec, run.tol, expected_rec))]
+        if not sites:
+            return None
+        _, rank, site = min(sites, key=lambda s: s[:2])  # the first in the forward, whichever rank it is on
+        site.rank = rank
+        return site
     # the target's settings only around the target (they may be global)
     with run.adapter.apply(variant.settings), amp(declared.amp if declared is not None else None):
         with autocast_region(torch.device(run.adapter.kind)):
