@@ -49,6 +49,27 @@ class LoadedModel:
     config: Any
     entry: ModelEntry
     load_time_s: float
+    lazy: frozenset[tuple[str, str]] = frozenset()  # `lazy_slots`, as loaded
+
+
+def lazy_slots(model: torch.nn.Module) -> frozenset[tuple[str, str]]:
+    """(module, attribute) of every plain attribute that is None: where a forward may cache a tensor it built
+    lazily (Mimi's codebook keeps `_embed` so), which `.to(device)` does not move, being no buffer."""
+    return frozenset((name, k) for name, mod in model.named_modules() for k, v in vars(mod).items() if v is None)
+
+
+def forget_lazy(model: torch.nn.Module, slots: frozenset[tuple[str, str]]) -> list[str]:
+    """Empty again the lazy slots a forward filled with a tensor (the CPU reference's, before the model moves to
+    the target, which would otherwise get the CPU's tensor: a crash no fresh load on the device has). Returns
+    their names."""
+    mods = dict(model.named_modules())
+    reset = []
+    for name, k in sorted(slots):
+        mod = mods.get(name)
+        if mod is not None and isinstance(vars(mod).get(k), torch.Tensor):
+            setattr(mod, k, None)
+            reset.append(f"{name}.{k}" if name else k)
+    return reset
 
 
 def hf_cache_dir() -> str | None:
@@ -187,4 +208,5 @@ def load_model(
     except Exception as exc:  # transformers raises OSError/ValueError/ImportError/... for everything
         raise _classify(exc, entry, attn_implementation) from exc
     model = model.to("cpu").eval()
-    return LoadedModel(model=model, config=model.config, entry=entry, load_time_s=time.perf_counter() - t0)
+    return LoadedModel(model=model, config=model.config, entry=entry, load_time_s=time.perf_counter() - t0,
+                       lazy=lazy_slots(model))

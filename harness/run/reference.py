@@ -21,6 +21,7 @@ import torch
 
 from harness import phases, verdict
 from harness.backends.contracts import Emulate
+from harness.models.load import forget_lazy
 from harness.run.attribution import classify_exception
 from harness.run.compare import identical
 from harness.run.context import ModelRun, ReferenceSide, Stop
@@ -142,6 +143,7 @@ def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceS
         del ref2
 
     with clock.phase(phases.ORACLE):
+        forget_lazy(model, run.loaded.lazy)  # an fp32 cache the forward built would stay fp32 in the fp64 copy
         oracle, rule, oracle_model = fp64_outputs(
             model, plan.inputs, plan.step, max_params=int(run.settings.get("oracle_max_params", DEFAULT_MAX_PARAMS)),
             streamed=mode.streamed_oracle,

@@ -28,6 +28,7 @@ import torch
 from harness.backends import Adapter
 from harness.backends.base import OpCensus
 from harness.backends.contracts import amp
+from harness.models.load import forget_lazy
 from harness.run.attribution import drain, target_failure
 from harness.run.compiled import CompileWatch, compile_model
 from harness.run.context import ModelRun, Stop
@@ -85,6 +86,7 @@ def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last:
                     tmodel = last.model
                 else:
                     model, copy_model = run.fresh_model() if variant.source == "fresh" else (run.model, run.keep_cpu)
+                    forget_lazy(model, run.loaded.lazy)  # what the reference's forward cached is the CPU's
                     tmodel = copy.deepcopy(model).to(device) if copy_model else _on(model, device)
                 if cfg.compiled:
                     recorder = compile_model(tmodel, cfg)
