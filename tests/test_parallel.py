@@ -79,7 +79,7 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
         (["--parallel", "tp:2"], "none of the 2 model(s)"),
         (["--parallel", "ddp:2", "--collectives", "skinny"], "only with --parallel and --perf"),
         (["--parallel", "ddp:2", "--perf", "--collectives", "warp:9"], "warp:9"),
-        (["--parallel", "ddp:2", "--executor", "ray"], "not with --executor ray yet"),
+        (["--parallel", "ddp:2", "--harvest"], "not with --harvest yet"),
         (["--dist-backend", "gloo"], "only with --parallel"),
     ]
     for extra, said in cases:

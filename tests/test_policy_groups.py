@@ -83,3 +83,20 @@ def test_a_parallel_run_groups_its_active_devices_and_keeps_spares_and_the_odd_d
     assert (f.active, f.spares) == (["sim:0+sim:1", "sim:2+sim:3"], ["sim:4", "sim:5"])
     with pytest.raises(ValueError, match="needs 2 devices per model"):
         fleet_for(RunConfig(settings=parallel, devices=["sim:0", "sim:1"], spare=1, progress=False))
+
+
+def test_on_a_cluster_a_group_and_its_replacement_stay_on_one_node() -> None:
+    from harness.fleet.slots import plan
+
+    devices = ["a/sim:0", "a/sim:1", "a/sim:2", "b/sim:0", "b/sim:1"]
+    active, spares = plan(devices, 0, 2)
+    assert (active, spares) == (["a/sim:0+a/sim:1", "b/sim:0+b/sim:1"], ["a/sim:2"])  # a's odd device stands by
+    f = Fleet(list(active), list(spares), quarantine_after=1)
+    f.blamed["b/sim:0+b/sim:1"] = "b/sim:1"
+    q = policy.quarantine(f, "b/sim:0+b/sim:1", why="test")
+    assert q.spare is None and f.spares == ["a/sim:2"]  # node a's spare cannot join node b's device
+    f.blamed["a/sim:0+a/sim:1"] = "a/sim:0"
+    q = policy.quarantine(f, "a/sim:0+a/sim:1", why="test")
+    assert q.spare == "a/sim:2+a/sim:1"
+    with pytest.raises(ValueError, match="on one node"):
+        plan(["a/sim:0", "b/sim:0"], 0, 2)

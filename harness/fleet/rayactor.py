@@ -137,7 +137,8 @@ class DeviceActor:
         self._fatal = open(fatal_path, "w")  # open for the actor's life: faulthandler writes here
         faulthandler.enable(file=self._fatal)
         worker.setup(device, threads, backends)
-        adapter_for(device).devices(device)  # a device this node does not have: a clear error, now
+        for member in device.split("+"):  # a --parallel group's actor holds its group's devices
+            adapter_for(member).devices(member)  # a device this node does not have: a clear error, now
         cap_address_space(mem_cap_mb)
         self.device = device
         self.host = host

@@ -42,9 +42,24 @@ class Slot:
     resource: str  # the Ray resource it is
     assigned: bool  # Ray picks the chip (its own accelerator resources); the actor then sees `<type>:0`
     threads: int  # torch threads for its actor: the node's CPUs shared among its devices
+    count: int = 1  # devices it holds: a --parallel group's actor holds its group's (its ranks' processes)
 
 
-SLOTS: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`)
+SLOTS: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`), and the groups made of them (`slot`)
+
+
+def slot(key: str) -> Slot:
+    """The slot of a fleet key: one device's, or a --parallel group's (`<node>/sim:0+<node>/sim:1`: one actor on
+    that node holding all of them, whose worker starts the ranks there)."""
+    if key not in SLOTS:
+        parts = [SLOTS[k] for k in key.split("+")]
+        if len({p.node_id for p in parts}) != 1:
+            raise ValueError(f"{key}: a group's devices must be on one node")
+        first = parts[0]
+        SLOTS[key] = Slot(key=key, node_id=first.node_id, host=first.host, device="+".join(p.device for p in parts),
+                          resource=first.resource, assigned=first.assigned, threads=sum(p.threads for p in parts),
+                          count=len(parts))
+    return SLOTS[key]
 _stdout: Any = None  # the CLI's stdout while Ray is connected (its notices go to stderr meanwhile)
 
 

@@ -29,7 +29,7 @@ from harness import files
 from harness.backends import device_type
 from harness.fleet.budgets import Budgets, JobClock
 from harness.fleet.pool import Event, ExecutorError
-from harness.fleet.raycluster import SLOTS, Slot
+from harness.fleet.raycluster import SLOTS, Slot, slot
 
 PEEK_TIMEOUT_S = 30.0
 AUTOPSY_TIMEOUT_S = 60.0
@@ -54,9 +54,9 @@ class RayWorker:
         opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
                                 "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)}
         if slot.resource == "GPU":
-            opts["num_gpus"] = 1
+            opts["num_gpus"] = slot.count
         else:
-            opts["resources"] = {slot.resource: 1}
+            opts["resources"] = {slot.resource: slot.count}
         local = f"{device_type(slot.device)}:0" if slot.assigned else slot.device
         self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args)
         self.first_check_s = first_check_s  # the shortest budget a job can have
@@ -133,7 +133,7 @@ class RayPool:
         self.started = 0  # actors started, replacements included
 
     def slot(self, key: str) -> Slot:
-        return SLOTS[key]
+        return slot(key)
 
     def node_devices(self, w: RayWorker) -> list[str]:
         """Every slot of `w`'s node."""
@@ -145,7 +145,7 @@ class RayPool:
             self.workers.append(held)
             return held
         self.started += 1
-        w = RayWorker(self.actor_cls, SLOTS[key], self.args, first_check_s=self.budgets.shortest)
+        w = RayWorker(self.actor_cls, slot(key), self.args, first_check_s=self.budgets.shortest)
         self.workers.append(w)
         return w
 

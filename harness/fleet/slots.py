@@ -7,14 +7,15 @@ is the unit of scheduling, and its evidence is the policy table's, with the rank
 finished or gave up on it, is a death on the group; a rank's device fault is a device fault. When a group is
 quarantined, only its device at fault leaves: a spare device takes its place beside the group's healthy
 devices (``sim:0+sim:4``); with no device named, every device of the group is replaced, or none without
-enough spares. A parallel run's spares are single devices, the odd device out of the grouping among them.
+enough spares on its node. A parallel run's spares are single devices, the odd device out of the grouping among
+them; on a Ray cluster a group is on one node, as its replacement is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.parallel.spec import groups, members
+from harness.parallel.spec import groups, members, node
 
 
 def split_devices(devices: Sequence[str], spare: int) -> tuple[list[str], list[str]]:
@@ -49,10 +50,11 @@ def replacement(slot: str, member: str, spares: list[str], used: list[str]) -> t
         used.append(spares[0])
         return spares.pop(0), ""
     bad = [member] if member in group else list(group)
-    if len(spares) < len(bad):
+    here = [d for d in spares if node(d) == node(group[0])]  # a group's devices are on one node
+    if len(here) < len(bad):
         return None, member
-    taken = spares[:len(bad)]
-    del spares[:len(bad)]
+    taken = here[:len(bad)]
+    spares[:] = [d for d in spares if d not in taken]
     used.extend(taken)
     fresh = iter(taken)
     return "+".join(next(fresh) if d in bad else d for d in group), member

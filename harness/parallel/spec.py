@@ -79,7 +79,19 @@ def groups(devices: list[str], world: int, *, shared: bool = False) -> list[str]
     if world > len(devices):
         raise ValueError(f"--parallel needs {world} devices per model, the target has {len(devices)} "
                          f"({', '.join(devices)})")
-    return ["+".join(devices[i:i + world]) for i in range(0, len(devices) - world + 1, world)]
+    by_node: dict[str, list[str]] = {}  # a cluster's devices are `<node>/<device>`: a group never spans nodes
+    for d in devices:
+        by_node.setdefault(node(d), []).append(d)
+    out = [g for ds in by_node.values() for g in ("+".join(ds[i:i + world]) for i in range(0, len(ds) - world + 1, world))]
+    if not out:
+        raise ValueError(f"--parallel needs {world} devices per model on one node; no node has that many "
+                         f"({', '.join(devices)})")
+    return out
+
+
+def node(device: str) -> str:
+    """The node a fleet's device is on (`host/sim:0` -> host; "" for this host's own)."""
+    return device.rpartition("/")[0]
 
 
 def members(key: str) -> list[str]:
