@@ -45,6 +45,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 IN, HID, OUT = 16, 32, 8  # the probes' MLP
 BATCH = 4
@@ -312,19 +313,15 @@ def probe_hf_tp(ctx: Ctx) -> list[tuple[float, float]]:
         from transformers import DistributedConfig
 
         kw = {"distributed_config": DistributedConfig(tp_size=ctx.tp.size(), dp_replicate_size=ctx.dp.size())}
-    # It also binds each process to LOCAL_RANK's device, 0 when unset: ranks started without a launcher must set
-    # LOCAL_RANK, or every rank lands on device 0 (which exclusive devices refuse, and the ranks that went on
-    # then wait for the refused ones in the group's collectives, for c10d's default 30 min).
-    unset = "LOCAL_RANK" not in os.environ and ctx.device.type != "cpu"
-    if unset:
-        os.environ["LOCAL_RANK"] = str(ctx.device.index)
+    # It binds each process to LOCAL_RANK's device (0 unset): ranks started by hand say theirs, or all land on
+    # device 0 (exclusive devices refuse the others, whose peers then wait out c10d's default 30 min timeout).
+    local = {"LOCAL_RANK": str(ctx.device.index)} if ctx.device.type != "cpu" and "LOCAL_RANK" not in os.environ else {}
     try:
-        model = LlamaForCausalLM.from_pretrained(path, use_kernels=False, **kw).eval()
-        with torch.no_grad():
-            got = model(ids.to(model.device)).logits
+        with mock.patch.dict(os.environ, local):
+            model = LlamaForCausalLM.from_pretrained(path, use_kernels=False, **kw).eval()
+            with torch.no_grad():
+                got = model(ids.to(model.device)).logits
     finally:
-        if unset:
-            del os.environ["LOCAL_RANK"]
         if ctx.device.type != "cpu":
             torch.accelerator.set_device_index(ctx.device.index)
     return [_compare(ctx, got, want)]
