@@ -8,6 +8,11 @@
 //   CUDA computes dy / (x (1 - x)), -inf for dy = 1.
 // - kaiser_window with a large or infinite beta: I0(beta) overflows, and the CPU returns NaN; the window
 //   has a finite limit (exp-scaled Bessel functions), a unit impulse for beta = inf.
+// - i0 where the CPU overflows (it computes e^x first: float32 from x = 88.7, where I0 is finite to 91.9) or
+//   gives NaN (at +-inf, where I0 is inf): i0e(x) * e^|x| in double, through its logarithm.
+// - igamma/igammac of a shape below 1e-20: the CPU's series drops the Euler-constant term of Q = a E1(x) (and
+//   its P exceeds 1); sim takes a E1(x), E1 by its series or continued fraction.
+// - ldexp of a complex tensor by integers: each lane scaled on its own, not multiplied by 2^e + 0j.
 // - ldexp with 64-bit integer exponents: the CPU truncates them to 32 bits (2^32 + 3 acts as 3); a wider
 //   exponent saturates instead (+-inf or +-0).
 // - grid_sampler_2d/3d with non-finite grid coordinates under zero padding: the CPU's 2-D kernel returns
@@ -31,6 +36,9 @@
 //   NaN imaginary part; the product starts from the first element.
 // - maximum/minimum of +0.0 and -0.0: the CPU's float64 kernel on strided inputs returns the second; its
 //   other paths, and the suite, keep the first.
+// - pow/float_power of a complex tensor by a complex exponent tensor: the CPU goes through exp and log for
+//   every lane; lanes whose exponent is a finite, non-negative integer (imaginary part 0) are exponentiated by
+//   squaring, as the peer suite's contract (and a chip's integer-power path) computes them.
 // - _lazy_clone: the CPU's copy-on-write needs a plain host allocation, which sim's storage is not; a
 //   lazy clone is a clone whose copy is deferred, so sim copies at once.
 #include "dispatch.h"
@@ -111,14 +119,29 @@ at::Tensor stable_kaiser(int64_t length, bool periodic, double beta) {
   return periodic ? w.slice(0, 0, length) : w;
 }
 
+// One real lane of ldexp, in double (one rounding to the lane's dtype after): zeros and non-finite values as
+// they are (the CPU's x * 2^e makes 0 * inf a NaN).
+at::Tensor ldexp_lane(const at::Tensor& x, const at::Tensor& e) {
+  at::Tensor d = x.to(at::kDouble);
+  return at::where(d.eq(0).logical_or_(d.isfinite().logical_not_()), d, at::ldexp(d, e));
+}
+
 void ldexp(const c10::OperatorHandle& op, Stack* stack) {
   IValue& other = arg(op, stack, "other");
   at::Tensor e = other.toTensor();
   c10::ScalarType t = e.scalar_type();
   if (t == at::kLong || t == at::kUInt64 || t == at::kUInt32) {
-    other = IValue(e.clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()));
+    e = e.clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
+    other = IValue(e);
   }
+  at::Tensor self = arg(op, stack, "self").toTensor();
+  if (!self.is_complex() || e.is_complex() || e.is_floating_point() || t == at::kBool) return cpu(op, stack);
+  // complex by an integral exponent: each lane scaled on its own (the CPU multiplies by 2^e + 0j, and
+  // inf * 0 turns the other lane NaN)
+  at::Tensor exact = at::complex(ldexp_lane(at::real(self), e), ldexp_lane(at::imag(self), e));
   cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  out.copy_(exact.to(out.scalar_type()));
 }
 
 void grid_sampler(const c10::OperatorHandle& op, Stack* stack) {
@@ -246,6 +269,101 @@ void lazy_clone(const c10::OperatorHandle& op, Stack* stack) {
   torch::jit::push(*stack, self.clone());
 }
 
+// Exponentiation by squaring of one lane (a 0-d tensor: the CPU's own scalar multiply, which its vectorized one
+// does not round alike): the first set bit takes the factor itself (1 * (inf + 0j) would be NaN), each later one
+// multiplies it in; an exponent of 0 gives 1.
+at::Tensor integer_power(const at::Tensor& base, int64_t n) {
+  if (n == 0) return at::ones({}, base.options());
+  at::Tensor result, factor = base;
+  for (; n; n >>= 1) {
+    if (n & 1) result = result.defined() ? at::mul(result, factor) : factor.clone();
+    if (n > 1) factor = at::mul(factor, factor);
+  }
+  return result;
+}
+
+void complex_pow(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor self = arg(op, stack, "self").toTensor(), exponent = arg(op, stack, "exponent").toTensor();
+  if (!self.is_complex() || !exponent.is_complex()) return cpu(op, stack);
+  at::Tensor re = at::real(exponent), im = at::imag(exponent);
+  at::Tensor integral = at::isfinite(re).logical_and_(at::isfinite(im)).logical_and_(im.eq(0))
+                            .logical_and_(re.ge(0)).logical_and_(re.eq(at::trunc(re)));
+  if (!integral.any().item<bool>()) return cpu(op, stack);
+  at::Tensor base = self.clone(), lanes = at::where(integral, re, at::zeros_like(re)).to(at::kLong);
+  cpu(op, stack);  // (pow_ overwrote self; the stack now holds the result)
+  at::Tensor out = stack->back().toTensor();
+  std::vector<at::Tensor> b = at::broadcast_tensors({base, lanes, integral});
+  at::Tensor x = b[0].to(out.scalar_type()).reshape(-1), n = b[1].reshape(-1).contiguous();
+  at::Tensor fixed = out.contiguous().reshape(-1).clone();
+  at::Tensor where = b[2].reshape(-1).nonzero().reshape(-1).contiguous();
+  const int64_t* lane = where.data_ptr<int64_t>();
+  const int64_t* power = n.data_ptr<int64_t>();
+  for (int64_t k = 0; k < where.numel(); ++k) fixed.select(0, lane[k]).copy_(integer_power(x.select(0, lane[k]), power[lane[k]]));
+  out.copy_(fixed.view(out.sizes()));
+}
+
+void i0(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  if (!x.is_floating_point()) return cpu(op, stack);
+  at::Tensor wide = x.to(at::kDouble);  // (out= may be self)
+  cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  at::Tensor over = at::isfinite(out).logical_not_().logical_and_(at::isnan(wide).logical_not_());
+  if (!over.any().item<bool>()) return;
+  // I0(x) = i0e(x) * e^|x|, taken through its logarithm: finite wherever the result is; I0(+-inf) = inf
+  at::Tensor exact = at::where(at::isinf(wide), at::full_like(wide, std::numeric_limits<double>::infinity()),
+                               (wide.abs() + at::log(at::special_i0e(wide))).exp());
+  out.copy_(at::where(over, exact.to(out.scalar_type()), out));
+}
+
+// E1(x) for x > 0: its series to x = 1, a continued fraction beyond (Numerical Recipes' expint, n = 1).
+double expint1(double x) {
+  constexpr double kEuler = 0.57721566490153286061;
+  if (x <= 1.0) {
+    double sum = 0.0, term = 1.0;
+    for (int k = 1; k < 200; ++k) {
+      term *= -x / k;
+      double add = -term / k;
+      sum += add;
+      if (std::abs(add) < std::abs(sum) * 1e-18) break;
+    }
+    return -kEuler - std::log(x) + sum;
+  }
+  double b = x + 1.0, c = 1.0 / std::numeric_limits<double>::min(), d = 1.0 / b, h = d;
+  for (int i = 1; i < 1000; ++i) {
+    double an = -static_cast<double>(i) * i;
+    b += 2.0;
+    d = 1.0 / (an * d + b);
+    c = b + an / c;
+    double del = c * d;
+    h *= del;
+    if (std::abs(del - 1.0) < 1e-17) break;
+  }
+  return h * std::exp(-x);
+}
+
+// igamma/igammac of a tiny shape a: Q(a, x) = Gamma(a, x) / Gamma(a) = a E1(x) (1 + O(a)), P = 1 - Q. The
+// CPU's series loses the Euler-constant term there (Q(1e-300, 1e-300) = a ln(1/x), not a (ln(1/x) - gamma)).
+void incomplete_gamma(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor a = arg(op, stack, "self").toTensor(), x = arg(op, stack, "other").toTensor();
+  if (!a.is_floating_point() || !x.is_floating_point()) return cpu(op, stack);
+  std::vector<at::Tensor> b = at::broadcast_tensors({a.to(at::kDouble), x.to(at::kDouble)});
+  at::Tensor ad = b[0].contiguous(), xd = b[1].contiguous();
+  at::Tensor tiny = ad.gt(0).logical_and_(ad.lt(1e-20)).logical_and_(xd.gt(0)).logical_and_(at::isfinite(xd));
+  if (!tiny.any().item<bool>()) return cpu(op, stack);
+  at::Tensor q = at::zeros_like(ad);
+  const double *pa = ad.data_ptr<double>(), *px = xd.data_ptr<double>();
+  const bool* pt = tiny.data_ptr<bool>();
+  double* pq = q.data_ptr<double>();
+  for (int64_t i = 0; i < ad.numel(); ++i) {
+    if (pt[i]) pq[i] = pa[i] * expint1(px[i]);
+  }
+  bool upper = op.schema().name().find("igammac") != std::string::npos;
+  cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  out.copy_(at::where(tiny, (upper ? q : 1.0 - q).to(out.scalar_type()), out));
+}
+
 }  // namespace
 
 void add_semantic_kernels(std::map<std::string, HostKernel>& table) {
@@ -270,6 +388,19 @@ void add_semantic_kernels(std::map<std::string, HostKernel>& table) {
   for (const char* n : {"aten::cumprod.default", "aten::cumprod.out", "aten::cumprod_.default"}) table[n] = &cumprod;
   for (const char* n : {"aten::maximum.default", "aten::maximum.out", "aten::minimum.default", "aten::minimum.out"}) {
     table[n] = &extremum;
+  }
+  for (const char* n : {"aten::igamma.default", "aten::igamma.out", "aten::igamma_.default", "aten::igammac.default",
+                        "aten::igammac.out", "aten::igammac_.default"}) {
+    table[n] = &incomplete_gamma;
+  }
+  for (const char* n : {"aten::i0.default", "aten::i0.out", "aten::special_i0.default", "aten::special_i0.out",
+                        "aten::special_modified_bessel_i0.default", "aten::special_modified_bessel_i0.out"}) {
+    table[n] = &i0;
+  }
+  for (const char* n : {"aten::pow.Tensor_Tensor", "aten::pow.Tensor_Tensor_out", "aten::pow_.Tensor",
+                        "aten::float_power.Tensor_Tensor", "aten::float_power.Tensor_Tensor_out",
+                        "aten::float_power_.Tensor"}) {
+    table[n] = &complex_pow;
   }
 }
 
