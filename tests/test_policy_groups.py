@@ -94,9 +94,41 @@ def test_on_a_cluster_a_group_and_its_replacement_stay_on_one_node() -> None:
     f = Fleet(list(active), list(spares), quarantine_after=1)
     f.blamed["b/sim:0+b/sim:1"] = "b/sim:1"
     q = policy.quarantine(f, "b/sim:0+b/sim:1", why="test")
-    assert q.spare is None and f.spares == ["a/sim:2"]  # node a's spare cannot join node b's device
+    assert q.spare is None and f.spares == ["a/sim:2", "b/sim:0"]  # a's spare cannot join b's; b's healthy one waits
     f.blamed["a/sim:0+a/sim:1"] = "a/sim:0"
     q = policy.quarantine(f, "a/sim:0+a/sim:1", why="test")
     assert q.spare == "a/sim:2+a/sim:1"
     with pytest.raises(ValueError, match="on one node"):
         plan(["a/sim:0", "b/sim:0"], 0, 2)
+
+
+def test_the_culprit_is_the_groups_device_at_the_ranks_position_whatever_the_worker_called_it() -> None:
+    """On Ray a worker knows its devices as `sim:0+sim:1`; the fleet as `node/sim:0+node/sim:1`."""
+    key = "n/sim:0+n/sim:1"
+    f = Fleet([key], ["n/sim:2"], quarantine_after=1)
+    out = policy.settle(f, Job("m1"), row("crash", died(1, "sim:1"), signal=11), key, 1.0)
+    (q,) = out.quarantined
+    assert (q.member, q.spare) == ("n/sim:1", "n/sim:0+n/sim:2")
+
+
+def test_a_group_that_survives_forgets_whom_it_blamed() -> None:
+    f = Fleet([A], ["sim:4"], quarantine_after=3)
+    policy.settle(f, Job("m1"), row("crash", died(1, "sim:1"), signal=11), A, 1.0, others_waiting=True)
+    assert f.blamed == {A: "sim:1"}
+    policy.settle(f, Job("m2"), row("pass"), A, 1.0)
+    assert f.blamed == {}
+
+
+def test_a_lost_node_takes_its_groups_with_it_worker_or_not() -> None:
+    f = Fleet(["a/sim:0+a/sim:1", "b/sim:0+b/sim:1"], ["a/sim:2", "b/sim:2"])
+    f.blamed["b/sim:0+b/sim:1"] = "b/sim:1"
+    qs = policy.lose(f, ["b/sim:0", "b/sim:1", "b/sim:2"], "b")  # the node's single devices, as Ray lists them
+    assert [q.device for q in qs] == ["b/sim:0+b/sim:1"] and qs[0].spare is None
+    assert f.active == ["a/sim:0+a/sim:1"] and f.spares == ["a/sim:2"]  # nothing of b stands by
+
+
+def test_a_shared_device_group_is_replaced_whole() -> None:
+    f = Fleet(["cpu+cpu"], ["other"], quarantine_after=1)
+    f.blamed["cpu+cpu"] = "cpu"
+    q = policy.quarantine(f, "cpu+cpu", why="test")  # both positions are the device at fault: 2 needed, 1 spare
+    assert q.spare is None

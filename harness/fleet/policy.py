@@ -94,6 +94,7 @@ from dataclasses import dataclass, field
 
 from harness.fleet.slots import replacement
 from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABLE, severity
+from harness.parallel.spec import members
 from harness.phases import DEVICE_PHASES  # where a death is evidence against the device
 from harness.results.rows import Attempt, Measurement
 
@@ -325,9 +326,11 @@ def lose(fleet: Fleet, devices: Iterable[str], node: str) -> list[Quarantined]:
     """`node` left the cluster with `devices`: none of them is in service any more. Not evidence
     against anything that ran there (no strike); held-back spares on it are gone too, active ones
     are quarantined so that a spare elsewhere takes their place."""
-    gone = [d for d in devices if d in fleet.active or d in fleet.spares]
+    lost = set(devices)  # a group of the node's devices goes with them, whether or not it had a worker
+    gone = [d for d in [*fleet.active, *fleet.spares] if d in lost or set(members(d)) <= lost]
     fleet.spares[:] = [d for d in fleet.spares if d not in gone]
     for d in gone:
+        fleet.blamed.pop(d, None)  # (no device of a group stands by on a node that is gone)
         fleet.deaths.pop(d, None)  # a streak on a node that died is not the models'
     return [quarantine(fleet, d, why=f"its node {node} left the cluster") for d in gone if d in fleet.active]
 
@@ -345,9 +348,12 @@ def settle(fleet: Fleet, job: Job, m: Measurement, device: str, duration_s: floa
     retry it, or its final outcome. `phase`: where a worker death or timeout struck; `others_waiting`:
     whether other models are queued or running (they may show meanwhile that a device works)."""
     kind = evidence(m, phase)
-    culprit = (m.parallel or {}).get("culprit", {}).get("device", "")
-    if culprit and kind in ("fault", "death"):
-        fleet.blamed[device] = culprit
+    culprit = (m.parallel or {}).get("culprit", {})
+    if culprit and kind in ("fault", "death"):  # the group's device by the rank's position (the fleet's name)
+        group, rank = members(device), culprit.get("rank")
+        fleet.blamed[device] = group[rank] if isinstance(rank, int) and 0 <= rank < len(group) else ""
+    elif kind == "survived":
+        fleet.blamed.pop(device, None)
     job.attempts.append(Attempt(device=device, outcome=m.outcome, error_type=m.error_type, exit_code=m.exit_code,
                                 signal=m.signal, duration_s=round(duration_s, 3), device_fault=m.device_fault,
                                 phase=phase))

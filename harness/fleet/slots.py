@@ -50,10 +50,12 @@ def replacement(slot: str, member: str, spares: list[str], used: list[str]) -> t
         used.append(spares[0])
         return spares.pop(0), ""
     bad = [member] if member in group else list(group)
+    need = sum(d in bad for d in group)  # (a shared device, `cpu+cpu`, fills every position)
     here = [d for d in spares if node(d) == node(group[0])]  # a group's devices are on one node
-    if len(here) < len(bad):
+    if len(here) < need:
+        spares.extend(d for d in dict.fromkeys(group) if d not in bad)  # its healthy devices stand by
         return None, member
-    taken = here[:len(bad)]
+    taken = here[:need]
     spares[:] = [d for d in spares if d not in taken]
     used.extend(taken)
     fresh = iter(taken)

@@ -68,7 +68,6 @@ class Parallel:
         self.collectives = list(collectives or [])  # --perf: the settings the first run times (timing.py)
         self.timed: dict[str, Any] = {}  # their summary: the row's `collectives`
         self.compiled: dict[str, Any] = {}  # --compile: rank 0's graphs, breaks and compile time (CompileWatch's)
-        self.judged_rank = 0  # the rank whose outputs the row is judged by (`_judged`)
         self.modules: list[list[Any]] = []  # localize: each rank's modules' outputs (harness.run.localize's)
 
     def close(self) -> None:
@@ -112,7 +111,8 @@ class Parallel:
         job = {"dir": str(job_dir), "entry": entry, "model_class": f"{cls.__module__}:{cls.__qualname__}",
                "settings": settings, "cfg": cfg or {}, "seed": seed, "fields": fields, "spec": str(self.spec), "devices": self.devices,
                "dist_backend": self.dist_backend, "backends": self.backends,
-               "timeout_s": max(5.0, min(120.0, self.deadline_s / 3)),
+               # a collective's timeout; compiled, ranks compile at their own pace (one may hit the shared cache)
+               "timeout_s": max(5.0, self.deadline_s / 3 if (cfg or {}).get("backend") else min(120.0, self.deadline_s / 3)),
                # which parameters train, as the reference has them (from_pretrained does not keep every flag)
                "frozen": [n for n, p in model.named_parameters() if not p.requires_grad],
                "collectives": self.collectives if self.runs == 1 else [],  # the judged settings' step only
@@ -146,7 +146,7 @@ class Parallel:
 
     def _start(self, job_dir: Path) -> list[subprocess.Popen]:
         procs = []
-        self.culprit = {}
+        self.culprit, self.note, self.ranks = {}, "", []  # this run's (a row keeps the last run's `fields()`)
         for rank, device in enumerate(self.devices):
             index = device.partition(":")[2] or "0"
             env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.spec.world),
@@ -156,7 +156,6 @@ class Parallel:
                                           stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
             log.close()
             self.ranks.append({"rank": rank, "device": device})
-        self.ranks = self.ranks[-len(procs):]
         return procs
 
     def _status(self, job_dir: Path, rank: int) -> str:
@@ -174,14 +173,15 @@ class Parallel:
             # interpreter's) is not the step's, and a busy host can make it outlast the deadline
             if all(c == 0 or (c is None and self._status(job_dir, r) == "done") for r, c in enumerate(codes)):
                 break
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            # a rank killed by a signal first: its peers' errors ("connection closed") follow from it
+            failed = sorted((r for r, c in enumerate(codes) if c not in (None, 0)), key=lambda r: codes[r] >= 0)
             if failed and first is None:
                 first = failed[0]
                 failed_at = time.monotonic()
             if first is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_S):
                 raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
             if time.monotonic() - t0 > self.deadline_s:
-                hung = [r for r, c in enumerate(codes) if c is None]
+                hung = [r for r, c in enumerate(codes) if c is None and self._status(job_dir, r) != "done"]
                 raise Stop({**self._hang(job_dir, hung), "parallel": self.fields()})
             time.sleep(POLL_S)
         for r in range(len(procs)):
@@ -244,7 +244,6 @@ class Parallel:
         gaps = [_gap(o, reference) for o in outs]
         differ = [r for r in range(1, len(outs)) if not _same(outs[r], outs[0])]
         worst = max(range(len(outs)), key=lambda r: gaps[r])
-        self.judged_rank = worst
         for r, g in enumerate(gaps):
             self.ranks[r]["max_rel_from_reference"] = g
         if differ:

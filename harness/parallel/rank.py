@@ -55,9 +55,12 @@ def _modules(model: Any, wrapped: Any, inputs: dict[str, Any], path: Path) -> No
     import torch
     from torch.distributed.tensor import DTensor
 
+    from harness.backends.contracts import autocast_region
     from harness.run.localize import capture
 
-    records = capture(model, lambda: wrapped(**inputs), whole=lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
+    with autocast_region(next(iter(model.parameters())).device):  # (under --amp: as the step's forward)
+        records = capture(model, lambda: wrapped(**inputs),
+                          whole=lambda t: t.full_tensor() if isinstance(t, DTensor) else t)
     torch.save([asdict(r) for r in records], path)
 
 

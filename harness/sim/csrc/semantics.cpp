@@ -286,8 +286,10 @@ void complex_pow(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor self = arg(op, stack, "self").toTensor(), exponent = arg(op, stack, "exponent").toTensor();
   if (!self.is_complex() || !exponent.is_complex()) return cpu(op, stack);
   at::Tensor re = at::real(exponent), im = at::imag(exponent);
+  // (up to 2^62: an int64 holds it, and a float beyond 2^24 is integral by its format alone)
   at::Tensor integral = at::isfinite(re).logical_and_(at::isfinite(im)).logical_and_(im.eq(0))
-                            .logical_and_(re.ge(0)).logical_and_(re.eq(at::trunc(re)));
+                            .logical_and_(re.ge(0)).logical_and_(re.le(4611686018427387904.0))
+                            .logical_and_(re.eq(at::trunc(re)));
   if (!integral.any().item<bool>()) return cpu(op, stack);
   at::Tensor base = self.clone(), lanes = at::where(integral, re, at::zeros_like(re)).to(at::kLong);
   cpu(op, stack);  // (pow_ overwrote self; the stack now holds the result)
@@ -305,7 +307,7 @@ void complex_pow(const c10::OperatorHandle& op, Stack* stack) {
 void i0(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor x = arg(op, stack, "self").toTensor();
   if (!x.is_floating_point()) return cpu(op, stack);
-  at::Tensor wide = x.to(at::kDouble);  // (out= may be self)
+  at::Tensor wide = x.to(at::kDouble, false, true);  // a copy: out= (or i0_) may be self
   cpu(op, stack);
   at::Tensor out = stack->back().toTensor();
   at::Tensor over = at::isfinite(out).logical_not_().logical_and_(at::isnan(wide).logical_not_());
@@ -393,7 +395,8 @@ void add_semantic_kernels(std::map<std::string, HostKernel>& table) {
                         "aten::igammac.out", "aten::igammac_.default"}) {
     table[n] = &incomplete_gamma;
   }
-  for (const char* n : {"aten::i0.default", "aten::i0.out", "aten::special_i0.default", "aten::special_i0.out",
+  for (const char* n : {"aten::i0.default", "aten::i0.out", "aten::i0_.default", "aten::special_i0.default",
+                        "aten::special_i0.out",
                         "aten::special_modified_bessel_i0.default", "aten::special_modified_bessel_i0.out"}) {
     table[n] = &i0;
   }
