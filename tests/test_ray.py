@@ -80,10 +80,14 @@ def actor_processes(cluster: Cluster) -> list[int]:
 @pytest.fixture(name="cluster", scope="module")
 def _cluster():
     """A head and one more node on 127.0.0.1, each offering one `sim` device, shared by the module's
-    tests (Ray's start-up is the slow part); every process of it gone afterwards."""
-    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    tests (Ray's start-up is the slow part); every process of it gone afterwards. Each node is a simulated host
+    of its own (its actors' PORTHARNESS_SIM_NAMESPACE): sharing one, both nodes' sim:0 were one device, which
+    the second actor found in use by the first (exclusive devices) and quarantined."""
+    host = os.environ.get("PORTHARNESS_SIM_NAMESPACE", "ray")
+    c = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False,
+                                                      "env_vars": {"PORTHARNESS_SIM_NAMESPACE": f"{host}-head"}})
     try:
-        c.add_node(**NODE)
+        c.add_node(**NODE, env_vars={"PORTHARNESS_SIM_NAMESPACE": f"{host}-node1"})
         c.wait_for_nodes()
         yield c
     finally:
@@ -113,6 +117,7 @@ def test_a_list_through_ray_gives_the_local_executors_outcomes(tmp_path: Path, c
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["unfinished"] == 0 and summary["workers_started"] == 2  # one actor per device, none replaced
+    assert summary["quarantined"] == [] and summary["faults_seen"] == 0, summary  # two hosts' devices, both sound
     got = rows(far)
     assert sorted(x["model_id"] for x in got) == sorted(f"tiny/{a}/{h}" for a, h in SMOKE)
     assert len({x["outcome"] for x in got}) >= 3, {x["outcome"] for x in got}  # a mix, not all one outcome
@@ -188,7 +193,7 @@ def _slow_models(tmp_path: Path, patho, n: int, seconds: int) -> str:
 @pytest.mark.slow
 def test_a_node_removed_mid_run_loses_no_row_and_its_model_runs_on_the_other(tmp_path: Path, cluster: Cluster,
                                                                             patho) -> None:
-    gone = cluster.add_node(**NODE)  # the module's cluster keeps its two nodes
+    gone = cluster.add_node(**NODE, env_vars={"PORTHARNESS_SIM_NAMESPACE": f"{os.environ.get('PORTHARNESS_SIM_NAMESPACE', 'ray')}-gone"})  # the module's cluster keeps its two nodes
     cluster.wait_for_nodes()
     lst = tmp_path / "slow.csv"
     lst.write_text(LIST_HEADER + _slow_models(tmp_path, patho, 6, 6))
