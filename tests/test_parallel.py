@@ -217,7 +217,7 @@ def test_a_bad_chip_in_a_group_is_quarantined_alone_and_a_spare_device_takes_its
     env = {"PYTHONPATH": str(Path(__file__).parent), "PLANTED_CHIP": "1", "PLANTED_BUG": "at_highest:segv",
            "PORTHARNESS_SIM_DEVICES": "3"}
     rc, rows, err = _run(tmp_path, "chip", [("bert", "base")], "--backend", "planted_bugs", "--parallel", "ddp:2",
-                         *EXACT, "--timeout", "60", "--quarantine-after", "1", env=env)
+                         *EXACT, "--timeout", "240", "--quarantine-after", "1", env=env)
     assert rc == 0, err[-3000:]
     assert "quarantining sim:0+sim:1" in err and "at fault: sim:1" in err, err[-3000:]
     assert "bringing in hot spare sim:0+sim:2 (the group without sim:1)" in err, err[-3000:]

@@ -181,6 +181,8 @@ class Parallel:
             if first is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_S):
                 raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
             if time.monotonic() - t0 > self.deadline_s:
+                if first is not None:  # the deadline fell in a failure's grace: the failure is the row's
+                    raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
                 hung = [r for r, c in enumerate(codes) if c is None and self._status(job_dir, r) != "done"]
                 raise Stop({**self._hang(job_dir, hung), "parallel": self.fields()})
             time.sleep(POLL_S)
