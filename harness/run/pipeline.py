@@ -314,13 +314,19 @@ def _parallel_side(run: ModelRun, variant: Variant) -> TargetSide:
     target side's; a rank that fails stops the row (`Stop`) with its fields, the rank named."""
     assert run.side is not None
     t0 = time.perf_counter()
-    out = run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
-                           seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
-                           cfg=asdict(variant.cfg))
+    out = _on_ranks(run, variant)
     row: dict[str, Any] = {"parallel": run.parallel.fields(), **run.parallel.compiled}
     if run.parallel.timed:
         row["collectives"] = run.parallel.timed
     return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None, row=row)
+
+
+def _on_ranks(run: ModelRun, variant: Variant, localize: bool = False) -> dict[str, torch.Tensor]:
+    """One launch of the step on the group's ranks, as `variant` runs it (their modules recorded: `localize`)."""
+    assert run.side is not None
+    return run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
+                            seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
+                            cfg=asdict(variant.cfg), localize=localize)
 
 
 def _op_check(run: ModelRun, variant: Variant) -> OpCheck | None:
@@ -345,11 +351,8 @@ def _localize(run: ModelRun, variant: Variant, model: torch.nn.Module, oracle_mo
     if declared is not None:
         with Emulate(declared), autocast_region("cpu"):
             expected_rec = capture(model, lambda: model(**inputs))
-    if run.parallel is not None:  # the ranks again, each recording its modules: the judged rank's
-        assert run.side is not None
-        run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
-                         seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
-                         cfg=asdict(variant.cfg), localize=True)
+    if run.parallel is not None:  # the ranks again, each recording its modules
+        _on_ranks(run, variant, localize=True)
         order = {(r.qualname, r.call): i for i, r in enumerate(ref_rec)}
         sites = [(order.get(site.key, len(order)), rank, site) for rank, recs in enumerate(run.parallel.modules)
                  if (site := first_drift(ref_rec, _whole_only(ref_rec, recs), oracle_rec, run.tol, expected_rec))]
