@@ -239,3 +239,93 @@ def test_ranks_run_compiled_and_under_autocast_as_one_device_does(tmp_path: Path
     rc, rows, err = _run(tmp_path, "amp", [("bert", "base")], "--parallel", "ddp:2", "--amp", "bf16", *EXACT)
     assert rc == 0, err[-3000:]
     assert rows[0]["outcome"] == "pass_declared", rows[0]["error_message"]
+
+
+# -- a list that spreads its models differently (its `parallel` column): the run goes in stages ---------------------
+
+def test_a_models_listed_spread_overrides_the_runs_and_reads_canonically() -> None:
+    from harness.parallel.spec import chosen
+
+    table = [("", None, ""), ("", "fsdp:2", "fsdp:2"), ("none", "fsdp:2", ""), ("1", None, ""),
+             (" ddp:2", None, "ddp:2"), ("fsdp:2,tp:2", None, "fsdp:2,tp:2"), ("tp:2", "ddp:2", "tp:2")]
+    for listed, run, way in table:
+        assert chosen("m", listed.strip(), run) == way, (listed, run)
+    with pytest.raises(ValueError, match=r"model 'm': its list's parallel cell 'fdsp:2' is not a spec.*or write none"):
+        chosen("m", "fdsp:2", None)
+
+
+def test_stages_run_single_devices_first_then_by_group_size_and_a_quarantined_device_stays_out() -> None:
+    from harness.fleet import policy, slots, stages
+
+    ways = {"a": "fsdp:2,tp:2", "b": "", "c": "ddp:2", "d": "", "e": "fsdp:2"}
+    assert stages.of(ways) == [("", ["b", "d"]), ("ddp:2", ["c"]), ("fsdp:2", ["e"]), ("fsdp:2,tp:2", ["a"])]
+    assert slots.out_of_service("sim:0+sim:1", "sim:1") == ["sim:1"]
+    assert slots.out_of_service("sim:0+sim:1", "") == ["sim:0", "sim:1"]
+    assert slots.out_of_service("cpu+cpu", "") == ["cpu"]
+    devices = [f"sim:{i}" for i in range(5)]
+    fleet = policy.Fleet(devices[:4], devices[4:], quarantine_after=1, devices=devices)
+    q = policy.quarantine(fleet, "sim:1")  # a single-device stage's bad chip: sim:4 stands in
+    assert (q.spare, fleet.gone) == ("sim:4", ["sim:1"])
+    nxt = stages.fleet_after(fleet, "ddp:2", 0, shared=False)
+    assert (nxt.active, nxt.spares, nxt.quarantined) == (["sim:0+sim:2", "sim:3+sim:4"], [], ["sim:1"])
+    q = policy.quarantine(nxt, "sim:0+sim:2")  # no device at fault named: both leave; no spare left for it
+    assert q.spare is None and nxt.gone == ["sim:1", "sim:0", "sim:2"]
+    assert stages.fleet_after(nxt, "", 0, shared=False).active == ["sim:3", "sim:4"]
+    with pytest.raises(ValueError, match="needs 4 devices per model"):
+        stages.fleet_after(nxt, "fsdp:2,tp:2", 0, shared=False)
+
+
+def test_bad_listed_spreads_are_one_line_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("PORTHARNESS_") and k != "PORTHARNESS_SIM_NAMESPACE"]:
+        monkeypatch.delenv(k)
+    db = tmp_path / "r.db"
+    for cell, said in (("fdsp:2", "model 'tiny/gpt2/causal-lm': its list's parallel cell 'fdsp:2' is not a spec"),
+                       ("ddp:4", "needs 4 devices per model, the target has 2")):
+        lst = tmp_path / "mixed.csv"
+        lst.write_text(LIST_HEADER.strip() + ",parallel\n" + "tiny/bert/base,tiny,bert,base,text,,,,,,,,\n"
+                       + f"tiny/gpt2/causal-lm,tiny,gpt2,causal-lm,text,,,,,,,,{cell}\n")
+        line = _refused(capsys, ["run", "--list", lst, "--db", db, "--quiet"])
+        assert said in line, line
+    lst.write_text(LIST_HEADER.strip() + ",parallel\ntiny/bert/base,tiny,bert,base,text,,,,,,,,ddp:2\n")
+    line = _refused(capsys, ["run", "--list", lst, "--db", db, "--quiet", "--harvest"])
+    assert "the list's parallel ddp:2: not with --harvest yet" in line, line
+    assert not db.exists()
+
+
+@pytest.mark.long
+def test_a_list_mixing_single_device_and_parallel_models_shares_the_exclusive_devices(tmp_path: Path) -> None:
+    """Two sim devices, each owned by one process at a time: two models on one device each (two workers, one per
+    device), then one spread over both by ddp:2 and one by fsdp:2. Each stage's workers are gone before the next
+    stage's ranks take the devices: every model passes, none refused, and each row says how it ran."""
+    lst = tmp_path / "mixed.csv"
+    lst.write_text(LIST_HEADER.strip() + ",parallel\n" + "".join(
+        f"tiny/{a}/{h},tiny,{a},{h},text,,,,,,,,{p}\n"
+        for a, h, p in (("bert", "base", ""), ("llama", "causal-lm", "ddp:2"), ("gpt2", "causal-lm", "none"),
+                        ("distilbert", "base", "fsdp:2"))))
+    db = tmp_path / "mixed.db"
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--quiet",
+                        "--no-ref-cache", "--retries", "0", "--jobs", "2", *EXACT, "--timeout", "240"],
+                       capture_output=True, text=True, timeout=900, env={**_env(), "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    with sqlite3.connect(db) as c:
+        c.row_factory = sqlite3.Row
+        rows = {x["model_id"]: dict(x) for x in c.execute("SELECT * FROM results")}
+        (finished,) = c.execute("SELECT finished_at FROM runs").fetchone()
+    assert {m: r["outcome"] for m, r in rows.items()} == dict.fromkeys(rows, "pass"), \
+        {m: r["error_message"] for m, r in rows.items()}
+    spread = {m.split("/")[1]: (json.loads(r["parallel"] or "{}").get("spec", ""), r["device"]) for m, r in rows.items()}
+    assert spread["llama"] == ("ddp:2", "sim:0+sim:1") and spread["distilbert"] == ("fsdp:2", "sim:0+sim:1"), spread
+    assert {spread["bert"][0], spread["gpt2"][0]} == {""} and {spread["bert"][1], spread["gpt2"][1]} <= {"sim:0", "sim:1"}
+    assert finished, "the run is closed: every model has its row"
+    _no_rank_left(tmp_path)
+    site = tmp_path / "site"  # the model page of a spread model shows its spread, mesh and each rank's times
+    r = subprocess.run([sys.executable, "-m", "harness.cli", "report", "--db", str(db), "--out", str(site)],
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    pages = {p.read_text() for p in site.rglob("*.html") if "tiny/llama/causal-lm" in p.read_text()
+             and "Across devices" in p.read_text()}
+    assert len(pages) == 1, sorted(str(p) for p in site.rglob("*.html"))[:20]
+    (page,) = pages
+    assert "<code>ddp:2</code>" in page and "dp=2" in page and page.count("<td>sim:") >= 2, page[-3000:]
+    assert "step (s)" in page and "load (s)" in page

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,24 +147,35 @@ def _collectives(args: argparse.Namespace, adapter: Any) -> list[str]:
     return names
 
 
+def _listed_parallel(entries: list[Any], given: str | None) -> str:
+    """The first spec a list's `parallel` column spreads a model by ("" none); ValueError naming a model whose
+    cell is no spec."""
+    from harness.parallel.spec import chosen
+
+    return next((way for e in entries if e.parallel and (way := chosen(e.id, e.parallel, given))), "")
+
+
 def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
     """--parallel (canonical: one spelling per identity) and --dist-backend, checked before anything runs: a
-    spec that reads, a target with a process-group backend, and what --parallel cannot run beside yet."""
-    if args.parallel is None:
+    spec that reads, a target with a process-group backend, and what --parallel cannot run beside yet. A list
+    whose `parallel` column spreads a model is checked the same way (`listed_parallel`)."""
+    listed = getattr(args, "listed_parallel", "")
+    if args.parallel is None and not listed:
         if args.dist_backend is not None:
             raise ValueError(f"--dist-backend {args.dist_backend}: only with --parallel (the ranks' process groups)")
         return {}
     from harness.parallel.spec import parse
 
-    spec = parse(args.parallel)
+    spec = parse(args.parallel or listed)
+    what = f"--parallel {spec}" if args.parallel else f"the list's parallel {spec}"
     if getattr(args, "harvest", False):
-        raise ValueError(f"--parallel {spec}: not with --harvest yet (the reference's op calls are one device's)")
+        raise ValueError(f"{what}: not with --harvest yet (the reference's op calls are one device's)")
     if getattr(args, "executor", "local") != "local" and adapter.ray_assigns:
-        raise ValueError(f"--parallel {spec}: not with --executor ray on {adapter.kind} yet (Ray picks its chips "
+        raise ValueError(f"{what}: not with --executor ray on {adapter.kind} yet (Ray picks its chips "
                          "itself; a group's actor would have to learn which)")
     if args.dist_backend is None:
         adapter.dist_backend()  # ValueError when the target's device type has no c10d backend
-    return {"parallel": str(spec)}
+    return {"parallel": str(spec)} if args.parallel else {}
 
 
 # Options that act only beside another (option, the one it needs, what it is): refused alone, as --dynamic,
@@ -229,6 +240,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     # The model first: a typo in its id is answered before torch and transformers are imported (seconds).
     entry = find_entry(args.model, task=args.task)
+    entry = replace(entry, parallel="")  # one model: --parallel says how, not a list's column
     from harness.console import clean_row, terminal_text, verdict_lines
     from harness.fleet.runconfig import check_compile_cache
     from harness.fleet.runner import run_models
@@ -282,6 +294,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     entries = shard(entries, args.shard)
     if args.parallel is not None:
         _tp_models(args.parallel, entries, args.list)
+    args.listed_parallel = _listed_parallel(entries, args.parallel)
     if args.limit < 0:
         raise ValueError(f"--limit {args.limit}: must be >= 0 (0: no limit)")
     if args.limit:
@@ -307,7 +320,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_out(args.report)
     config.ref_cache = _ref_cache(args, args.db)
     check_compile_cache(config, args.db)
-    fleet = fleet_for(config)  # devices, spares, ranges (a cluster's too): before a line is printed or a file touched
+    fleet = fleet_for(config, entries)  # devices, spares, ranges (a cluster's too), each model's spread: before a line
+    # is printed or a file touched
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.db)), exist_ok=True)
     except OSError as e:

@@ -92,7 +92,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from harness.fleet.slots import replacement
+from harness.fleet.slots import out_of_service, replacement
 from harness.outcomes import DEVICE_SIDE, MATCHED, RAN, REFERENCE_SIDE, RETRYABLE, severity
 from harness.parallel.spec import members
 from harness.phases import DEVICE_PHASES  # where a death is evidence against the device
@@ -133,6 +133,8 @@ class Fleet:
     flaky_on: dict[str, list[Job]] = field(default_factory=dict)  # device -> jobs marked flaky because of it
     faults_seen: int = 0
     blamed: dict[str, str] = field(default_factory=dict)  # group slot -> its device the last rank at fault ran on
+    devices: list[str] = field(default_factory=list)  # every device of the run, in order (a stage re-plans from them)
+    gone: list[str] = field(default_factory=list)  # devices the quarantines took out (`slots.out_of_service`)
 
     def count(self, device: str) -> int:
         """Strikes against `device`: lasting ones plus its streak."""
@@ -285,6 +287,7 @@ def quarantine(fleet: Fleet, device: str, canary_died: bool = False, why: str = 
         fleet.active.append(spare)
     if member:
         why = f"{why}; at fault: {member}" if why else f"at fault: {member}"
+    fleet.gone.extend(d for d in out_of_service(device, member) if d not in fleet.gone)
     return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why, member)
 
 
@@ -327,6 +330,7 @@ def lose(fleet: Fleet, devices: Iterable[str], node: str) -> list[Quarantined]:
     against anything that ran there (no strike); held-back spares on it are gone too, active ones
     are quarantined so that a spare elsewhere takes their place."""
     lost = set(devices)  # a group of the node's devices goes with them, whether or not it had a worker
+    fleet.gone.extend(d for d in sorted(lost) if d not in fleet.gone)
     gone = [d for d in [*fleet.active, *fleet.spares] if d in lost or set(members(d)) <= lost]
     fleet.spares[:] = [d for d in fleet.spares if d not in gone]
     for d in gone:

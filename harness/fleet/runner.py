@@ -18,65 +18,29 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 
 from tqdm import tqdm
 
-from harness.backends import adapter_for, load_backends
+from harness.backends import adapter_for
 from harness.console import terminal_text
-from harness.fleet import policy, quiet, slots
-from harness.fleet.executor import Executor, PoolSpec, PoolWorker, death, device_cap, executor_for
+from harness.fleet import policy, quiet, stages
+from harness.fleet.executor import Executor, PoolSpec, PoolWorker, WorkerPool, death, device_cap, executor_for
 from harness.fleet.notices import PhaseNotices
 from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.resume import resumable
 from harness.fleet.runconfig import RunConfig, compile_cache_root
+from harness.fleet.stages import fleet_for, shard
+from harness.fleet.summary import RunSummary
 from harness.fleet.worker import task_payload
 from harness.models.model_list import ModelEntry
 from harness.ops.signature import merge_gens
-from harness.parallel.spec import parse
 from harness.results.rows import Measurement, ResultRow, RunInfo
 from harness.results.store import ResultStore
 from harness.results.variations import record_harvest
 from harness.run.attribution import CAP_TOO_SMALL
 from harness.run.compiled import cache_dir
 from harness.run.pipeline import Task
-
-
-@dataclass
-class RunSummary:
-    run_id: str
-    db_path: str
-    total: int
-    resumed_skipped: int
-    counts: dict[str, int]
-    wall_s: float
-    quarantined: list[str]
-    faults_seen: int
-    spares_used: list[str] = field(default_factory=list)
-    unfinished: int = 0
-    resumed_run: str | None = None  # the unfinished run this one continued
-    with_fallback: dict[str, int] = field(default_factory=dict)  # outcome -> rows that used CPU fallback
-    reruns: dict[str, int] = field(default_factory=dict)  # --rerun-flaky: models re-run, found flaky, stable
-    run_counts: dict[str, int] = field(default_factory=dict)  # outcome -> rows of the whole run (resumes too)
-    never_worked: str = ""  # why the target never ran a model, when it did not
-    workers_started: int = 0  # worker processes (Ray: actors) started, replacements included
-    confirmed: dict[str, int] = field(default_factory=dict)  # confirmation at full precision -> rows of the run
-
-    @property
-    def rows_written(self) -> int:
-        return sum(self.counts.values())
-
-
-def shard(entries: list[ModelEntry], spec: str) -> list[ModelEntry]:
-    """Select shard i of N (1-based, 'i/N') by position in id order, so shards never overlap."""
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise ValueError(f"bad shard {spec!r}: expected i/N with 1 <= i <= N, e.g. 2/8") from None
-    if not 1 <= i <= n:
-        raise ValueError(f"bad shard {spec!r}: expected i/N with 1 <= i <= N, e.g. 2/8")
-    ordered = sorted(entries, key=lambda e: e.id)
-    return ordered[i - 1 :: n]
 
 
 def run_models(
@@ -99,7 +63,7 @@ def run_models(
     so bad input leaves it as it was."""
     executor = executor_for(config.executor)
     try:
-        fleet = fleet_for(config)
+        fleet = fleet_for(config, entries)
         shard(entries, shard_spec)  # validates the spec
         store = ResultStore(db_path)
         try:
@@ -108,17 +72,6 @@ def run_models(
             store.close()
     finally:
         executor.release()
-
-
-def fleet_for(config: RunConfig) -> policy.Fleet:
-    """Check the configuration and the target (ValueError saying what is wrong); the devices to use:
-    this host's, or every node's of a cluster (named `<node>/<device>`)."""
-    config.validate()
-    load_backends(config.backends)
-    found = list(config.devices or executor_for(config.executor).devices(config.target, config.ray_address))
-    world = parse(config.settings["parallel"]).world if config.settings.get("parallel") else 1
-    active, spares = slots.plan(found, config.spare, world, shared=adapter_for(config.target).ranks_share_device)
-    return policy.Fleet(active, spares, quarantine_after=config.quarantine_after, retries=config.retries)
 
 
 class WorkerStartupError(ExecutorError):
@@ -155,17 +108,23 @@ class _Run:
         self.skipped = sum(1 for e in entries if e.id in done)
         sizes = {e.id: e.params or (1.0 if "slow" in e.tags else None) for e in entries}  # `slow`: a time hint
         todo = policy.biggest_first([e.id for e in entries if e.id not in done], sizes)
-        self.queue: deque[policy.Job] = deque(policy.Job(i) for i in todo)
+        self.ways = stages.ways(entries, config.settings)  # how each model is spread: one stage per way (`slots.stages`)
+        self.stages = stages.of({i: self.ways[i] for i in todo})
+        self.queue: deque[policy.Job] = deque()
+        self.shared = adapter.ranks_share_device
+        self.survived = False  # a model survived on a device of an earlier stage
+        self.stage_ids: set[str] = set()
         self.counts: Counter[str] = Counter()
         self.with_fallback: Counter[str] = Counter()
         self.executor: Executor = executor_for(config.executor)
         self.cap = device_cap(self.executor, adapter)  # one worker per device where a device takes one process
-        self.jobs = policy.workers(config.jobs, len(self.queue), len(fleet.active), self.cap)
+        self.jobs = policy.workers(config.jobs, len(todo), len(fleet.active), self.cap)
         self.budgets = config.budgets
-        spec = PoolSpec(jobs=self.jobs, worker_env=adapter.worker_env(settings), mem_cap_mb=config.mem_cap_mb,
-                        backends=config.backends, budgets=self.budgets, startup_timeout_s=config.startup_timeout_s,
-                        fork_workers=config.fork_workers)
-        self.pool = self.executor.pool(spec, usable=lambda key: key in self.fleet.active)
+        self.pool_spec = PoolSpec(jobs=self.jobs, worker_env=adapter.worker_env(settings), mem_cap_mb=config.mem_cap_mb,
+                                  backends=config.backends, budgets=self.budgets,
+                                  startup_timeout_s=config.startup_timeout_s, fork_workers=config.fork_workers)
+        self.pool: WorkerPool | None = None  # the stage's (`_stage`)
+        self.started_before = 0  # workers the stages' pools started
         # --perf with several workers on this host: a timed step runs while no other worker runs a phase
         self.quiet_lock = (quiet.lock_path(tempfile.gettempdir(), run_id)
                            if config.perf and self.jobs > 1 and self.executor.one_host else "")
@@ -180,7 +139,7 @@ class _Run:
         self.first_failure = ""  # the first device fault or death, for a target that never worked
         self.assigning = False
         self.t_start = time.monotonic()
-        self.progress = tqdm(total=len(self.queue), disable=not config.progress, file=sys.stderr, unit="model",
+        self.progress = tqdm(total=len(todo), disable=not config.progress, file=sys.stderr, unit="model",
                              mininterval=0.5 if sys.stderr.isatty() else 5.0, dynamic_ncols=True)
         # a long phase says what it is doing: soon for one model (check), above the progress bar for a run
         self.notices = PhaseNotices(self._say,
@@ -325,7 +284,8 @@ class _Run:
     def _queue_reruns(self) -> int:
         """Queue `rerun_flaky` samples of every model whose attempts disagreed; returns how many models."""
         n = self.cfg.rerun_flaky
-        models = [mid for mid, (job, _, outcome) in self.finished.items() if policy.needs_rerun(job, outcome, self.fleet.quarantined)]
+        models = [mid for mid, (job, _, outcome) in self.finished.items()
+                  if mid in self.stage_ids and policy.needs_rerun(job, outcome, self.fleet.quarantined)]
         for mid in models:
             self.samples_left[mid] = n
             self.sampled[mid] = []
@@ -368,6 +328,37 @@ class _Run:
         self.rerun_stats["models"] += 1
         self.rerun_stats["flaky" if outcome == "flaky" else "stable"] += 1
 
+    # -- stages ------------------------------------------------------------------------------
+
+    def _stage(self, way: str, ids: list[str]) -> bool:
+        """Start the stage that runs `ids` as `way` ("" one device each): its slots planned from the devices
+        still in service, its own workers (an earlier stage's are gone: `_end_stage`). False when too few
+        devices are left for it: its models stay unfinished, for a resume."""
+        try:
+            self.fleet = stages.fleet_after(self.fleet, way, self.cfg.spare, shared=self.shared)
+        except ValueError as e:
+            self._say(f"portharness: {len(ids)} model(s) to run {f'as {way}' if way else 'on one device each'} "
+                      f"cannot: {e}; they stay unfinished (resume later with --resume)")
+            return False
+        self.queue = deque(policy.Job(i) for i in ids)
+        self.stage_ids = set(ids)
+        self.jobs = policy.workers(self.cfg.jobs, len(self.queue), len(self.fleet.active), self.cap)
+        self.pool = self.executor.pool(replace(self.pool_spec, jobs=self.jobs),
+                                       usable=lambda key: key in self.fleet.active)
+        return True
+
+    def _end_stage(self) -> list[policy.Job]:
+        """Every worker of the stage gone (a device a process owns alone is free for the next stage's); the jobs
+        it could not finish (every device quarantined)."""
+        if self.pool is not None:
+            self.started_before += self.pool.started
+            self.survived = self.survived or bool(self.fleet.canary)
+            self.pool.close()
+            self.pool = None
+        left = [j for j in self.queue if j not in self.samples and not j.probe]
+        self.queue.clear()
+        return left
+
     # -- main loop ---------------------------------------------------------------------------
 
     def _assign(self) -> None:
@@ -398,7 +389,10 @@ class _Run:
                 self._send(idle[0], job)
 
     def _send(self, w: PoolWorker, job: policy.Job) -> None:
-        task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=dict(self.cfg.settings),
+        settings = {k: v for k, v in self.cfg.settings.items() if k != "parallel"}
+        if self.ways[job.id]:
+            settings["parallel"] = self.ways[job.id]
+        task = Task(entry=asdict(self.entries[job.id]), target=w.device, settings=settings,
                     seed=self.cfg.seed, localize=self.cfg.localize, repro_dir=self.repro_dir,
                     backends=list(self.cfg.backends), ref_cache=self.cfg.ref_cache or "",
                     perf=self.cfg.perf, perf_budget_s=self.cfg.perf_budget_s, compile_cache=self.compile_cache,
@@ -444,24 +438,22 @@ class _Run:
 
     def run(self) -> RunSummary:
         t0 = time.monotonic()
+        left: list[policy.Job] = []  # the models that stay unfinished
         try:
-            for _ in range(min(self.jobs, max(1, len(self.queue)))):
-                self._spawn()
-            self._drain()
-            if self.cfg.rerun_flaky > 0 and self.fleet.active and self._queue_reruns():
-                while len(self.pool.workers) < min(self.jobs, len(self.queue)):
-                    self._spawn()
-                self._drain()
-            for mid in list(self.sampled):  # no healthy device left for every sample: decide on those done
-                self._conclude(mid)
+            for way, ids in self.stages:
+                if self._stage(way, ids):
+                    self._run_stage()
+                    left += self._end_stage()
+                else:
+                    left += [policy.Job(i) for i in ids]
         finally:
-            self.pool.close()
+            left += self._end_stage()
             self.progress.close()
             if self.quiet_lock:
                 for path in (self.quiet_lock, f"{self.quiet_lock}.intent"):
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-        self.queue = deque(j for j in self.queue if j not in self.samples and not j.probe)
+        self.queue = deque(left)
         # The run is closed only once everything it was started for has its row (a resume runs all of it)
         unfinished = len(self.store.planned(self.run_id) - self.store.finished_ids(self.run_id))
         if unfinished == 0:
@@ -484,11 +476,22 @@ class _Run:
             run_counts={str(k): int(v) for k, v in rows["outcome"].value_counts().items()},
             confirmed={str(k): int(v) for k, v in rows["confirm"].value_counts().items() if k},
             never_worked=self._never_worked(),
-            workers_started=self.pool.started,
+            workers_started=self.started_before,
         )
 
+    def _run_stage(self) -> None:
+        for _ in range(min(self.jobs, max(1, len(self.queue)))):
+            self._spawn()
+        self._drain()
+        if self.cfg.rerun_flaky > 0 and self.fleet.active and self._queue_reruns():
+            while len(self.pool.workers) < min(self.jobs, len(self.queue)):
+                self._spawn()
+            self._drain()
+        for mid in list(self.sampled):  # no healthy device left for every sample: decide on those done
+            self._conclude(mid)
+
     def _never_worked(self) -> str:
-        if not policy.never_worked(self.fleet):
+        if self.survived or not policy.never_worked(self.fleet):
             return ""
         gone = f"quarantined {', '.join(self.fleet.quarantined)}; " if self.fleet.quarantined else ""
         return (f"the target {self.cfg.target} never ran a model: {gone}{self.fleet.faults_seen} device fault(s), "

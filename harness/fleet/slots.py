@@ -9,11 +9,17 @@ quarantined, only its device at fault leaves: a spare device takes its place bes
 devices (``sim:0+sim:4``); with no device named, every device of the group is replaced, or none without
 enough spares on its node. A parallel run's spares are single devices, the odd device out of the grouping among
 them; on a Ray cluster a group is on one node, as its replacement is.
+
+A list may spread its models differently (its `parallel` column): the run goes in *stages*, one per way, the
+single-device models first, then by group size. A stage's workers are gone before the next stage's start, so a
+device a process owns alone (a chip, one process each) is free again, and a group never waits for devices
+that single-device models hold: no deadlock, whatever the mix. Each stage re-plans its slots from the devices
+still in service: a device quarantined in one stage stays out of the next.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from harness.parallel.spec import groups, members, node
 
@@ -60,3 +66,17 @@ def replacement(slot: str, member: str, spares: list[str], used: list[str]) -> t
     used.extend(taken)
     fresh = iter(taken)
     return "+".join(next(fresh) if d in bad else d for d in group), member
+
+
+def stages(ways: Mapping[str, str], worlds: Mapping[str, int]) -> list[tuple[str, list[str]]]:
+    """[(way, the model ids run that way, in the given order)]: one stage per way ("" one device, else a spec)
+    of `ways` (model id -> way), the single-device stage first, then by `worlds` (way -> devices per model)."""
+    by_way: dict[str, list[str]] = {}
+    for mid, way in ways.items():
+        by_way.setdefault(way, []).append(mid)
+    return sorted(by_way.items(), key=lambda kv: (worlds.get(kv[0], 1), kv[0]))
+
+
+def out_of_service(slot: str, member: str) -> list[str]:
+    """The devices a quarantine of `slot` takes out of the run: its device at fault (`member`), else all of it."""
+    return [member] if member else list(dict.fromkeys(members(slot)))

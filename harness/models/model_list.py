@@ -33,6 +33,7 @@ COLUMNS = (
     "atol",
     "rtol",
     "path",
+    "parallel",
 )
 REQUIRED_COLUMNS = ("id", "source", "task")
 SOURCES = ("tiny", "hub", "local")
@@ -68,6 +69,7 @@ class ModelEntry:
     atol: float | None = None
     rtol: float | None = None
     path: str | None = None
+    parallel: str = ""  # how this model is spread over devices (`harness.parallel.spec`): "" the run's, "none" one
 
     def __post_init__(self) -> None:
         # entries travel to worker processes as dicts (dataclasses.asdict / JSON): normalise
@@ -91,6 +93,7 @@ class ModelEntry:
             "atol": "" if self.atol is None else repr(self.atol),
             "rtol": "" if self.rtol is None else repr(self.rtol),
             "path": self.path or "",
+            "parallel": self.parallel,
         }
 
     @property
@@ -215,6 +218,7 @@ def _row_to_entry(cells: dict[str, str], where: str, base_dir: Path) -> ModelEnt
         atol=_parse_float(cells.get("atol", ""), where, "atol"),
         rtol=_parse_float(cells.get("rtol", ""), where, "rtol"),
         path=path,
+        parallel=cells.get("parallel", "").strip().lower(),  # read by the fleet (`harness.parallel.spec.chosen`)
     )
 
 
@@ -288,9 +292,11 @@ def load_model_list(name_or_path: str) -> list[ModelEntry]:
 
 
 def write_model_list(entries: list[ModelEntry], path: str | Path, header_comment: str = "") -> None:
-    """Write entries as a list file (all columns, deterministic order of the given entries)."""
-    rows = [[e.to_row().get(c, "") for c in COLUMNS] for e in entries]
-    csvio.write(path, list(COLUMNS), rows, comments=header_comment.splitlines())
+    """Write entries as a list file (all columns, `parallel` where an entry has one; deterministic order of
+    the given entries)."""
+    columns = [c for c in COLUMNS if c != "parallel" or any(e.parallel for e in entries)]
+    rows = [[e.to_row().get(c, "") for c in columns] for e in entries]
+    csvio.write(path, columns, rows, comments=header_comment.splitlines())
 
 
 # ----------------------------------------------------------------------------------------------

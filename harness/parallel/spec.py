@@ -70,6 +70,20 @@ def parse(text: str) -> ParallelSpec:
     return ParallelSpec(tuple(dims))
 
 
+def chosen(model_id: str, listed: str, run: str | None) -> str:
+    """How one model of a run is spread: its list's `parallel` cell ("" the run's --parallel, "none" one device, or
+    a spec), canonical ("" for one device); ValueError naming the model."""
+    if not listed:
+        return str(parse(run)) if run else ""
+    if listed in ("none", "1"):
+        return ""
+    try:
+        return str(parse(listed))
+    except ValueError as e:
+        raise ValueError(f"model {model_id!r}: its list's parallel cell {listed!r} is not a spec: "
+                         f"{str(e).removeprefix(f'--parallel {listed!r}: ')}; or write none (one device)") from None
+
+
 def groups(devices: list[str], world: int, *, shared: bool = False) -> list[str]:
     """The fleet's devices as groups of `world` (``sim:0+sim:1``), in order; ValueError when there are too few.
     A group is one slot of the fleet: a model's ranks run on its devices, one each. `shared`: a device several

@@ -249,6 +249,26 @@ def _count(v: Any) -> str:
     return "" if n is None else str(int(n))
 
 
+_RANK_COLS = (("rank", "rank"), ("device", "device"), ("phase", "phase"), ("load_s", "load (s)"),
+              ("step_s", "step (s)"), ("sharded_params", "sharded parameters"))
+
+
+def parallel_view(par: Any) -> dict[str, Any] | None:
+    """A row spread over several devices (--parallel, or its list's `parallel` column): the spec, the mesh, the
+    rank at fault and each rank's device, phase and times; None for one device."""
+    if not isinstance(par, dict) or not par.get("spec"):
+        return None
+    ranks = [r for r in par.get("ranks") or [] if isinstance(r, dict)]
+    cols = [(k, label) for k, label in _RANK_COLS if any(r.get(k) is not None for r in ranks)]
+    mesh = par.get("mesh") if isinstance(par.get("mesh"), dict) else {}
+    culprit = par.get("culprit") if isinstance(par.get("culprit"), dict) else {}
+    return {"spec": as_text(par["spec"]), "mesh": " x ".join(f"{k}={v}" for k, v in mesh.items()),
+            "culprit": (f"rank {culprit.get('rank')} ({culprit.get('device')}, {culprit.get('kind')} in phase "
+                        f"{culprit.get('phase')})") if culprit else "",
+            "cols": [label for _, label in cols],
+            "ranks": [[fmt(r.get(k)) if k.endswith("_s") else as_text(r.get(k)) for k, _ in cols] for r in ranks]}
+
+
 def row_view(r: dict[str, Any]) -> dict[str, Any]:
     """Everything one model page needs for one (target, settings) row, with numbers formatted."""
     metrics = r.get("metrics") or {}
@@ -267,6 +287,7 @@ def row_view(r: dict[str, Any]) -> dict[str, Any]:
         or (decoding["where"] if decoding else "") or as_text(r.get("first_drift_op_module"))
         or as_text(r.get("compile_node")) or as_text(r.get("unsupported_op")) or as_text(r.get("error_type")),
         "decoding": decoding,
+        "parallel": parallel_view(r.get("parallel")),
         "drift_module": as_text(r.get("first_drift_module")),
         "drift_op": as_text(r.get("first_drift_op")),
         "drift_op_module": as_text(r.get("first_drift_op_module")),
