@@ -20,6 +20,7 @@ EXPECTED = {
     "bare-op": MissingOp("aten::add"),
     "not-aten-op": MissingOp("prims::device_put"),
     "flex-attention": MissingOp("flex_attention"),
+    "c10d": MissingOp("c10d::reduce_scatter_tensor"),
 }
 
 

@@ -329,3 +329,32 @@ def test_a_list_mixing_single_device_and_parallel_models_shares_the_exclusive_de
     (page,) = pages
     assert "<code>ddp:2</code>" in page and "dp=2" in page and page.count("<td>sim:") >= 2, page[-3000:]
     assert "step (s)" in page and "load (s)" in page
+
+
+def test_a_collective_sim_is_told_to_lack_is_named_as_c10d_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.sim import distributed
+
+    monkeypatch.setenv(distributed.LACKS_ENV, "reduce_scatter_tensor, all_to_all_single")
+    assert distributed._lacking() == {"reduce_scatter_tensor", "all_to_all_single"}
+    monkeypatch.setenv(distributed.LACKS_ENV, "reduce_scater")
+    with pytest.raises(ValueError, match="no collective named reduce_scater"):
+        distributed._lacking()
+
+
+@pytest.mark.long
+def test_an_op_or_a_collective_the_device_lacks_is_unsupported_op_naming_it_and_the_rank(tmp_path: Path) -> None:
+    """A young op profile lacks `aten::sort.stable` (mixtral's expert routing): unsupported_op on a rank, as on one
+    device; sim's process group told to lack reduce_scatter_tensor (FSDP2's gradient reduction): unsupported_op
+    `c10d::reduce_scatter_tensor`, the rank named, not a crash and no strike against the device."""
+    rc, rows, err = _run(tmp_path, "op", [("mixtral", "causal-lm")], "--parallel", "ddp:2", "--timeout", "240")
+    assert rc == 0, err[-3000:]
+    assert (rows[0]["outcome"], rows[0]["unsupported_op"]) == ("unsupported_op", "aten::sort.stable"), rows[0]
+    assert rows[0]["error_message"].startswith("rank "), rows[0]["error_message"]
+    rc, rows, err = _run(tmp_path, "coll", [("bert", "base")], "--parallel", "fsdp:2", "--mode", "train", *EXACT,
+                         "--timeout", "240", env={"PORTHARNESS_SIM_LACKS_COLLECTIVES": "reduce_scatter_tensor"})
+    assert rc == 0, err[-3000:]
+    r = rows[0]
+    assert (r["outcome"], r["unsupported_op"]) == ("unsupported_op", "c10d::reduce_scatter_tensor"), r
+    assert "does not support reduce_scatter_tensor" in r["error_message"] and r["error_message"].startswith("rank ")
+    assert "quarantin" not in err
+    _no_rank_left(tmp_path)

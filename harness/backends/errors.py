@@ -108,6 +108,11 @@ MISSING_OP: tuple[Pattern, ...] = (
         relayed=True,  # a tensor-subclass backend's dispatch refusing an op the compiler traced
     ),
     Pattern(
+        "c10d",  # c10d::Backend's refusal of a collective the process group does not implement
+        re.compile(r"\bBackend (?P<backend>\w+) does not support (?P<op>[a-z_]+)\b"),
+        "RuntimeError: Backend toy does not support reduce_scatter_tensor",
+    ),
+    Pattern(
         "flex-attention",
         re.compile(r"(?P<op>FlexAttention)[^\n]*(?:is only supported on|not supported)", re.IGNORECASE),
         "ValueError: FlexAttention is only supported on CUDA, CPU, HPU, or MPS devices.",
@@ -214,6 +219,10 @@ def parse_missing_op(message: str, kind: str, relayed: bool = False) -> MissingO
             dtype = d["dtype"] if d else ""
         if p.name == "flex-attention":
             return MissingOp("flex_attention", dtype)  # a feature, not an ATen op
+        if p.name == "c10d":
+            if not _backend_matches(m["backend"], kind):
+                return None  # another group's (gloo beside the device's): not the target's gap
+            return MissingOp(f"c10d::{m['op']}", "")  # a collective, named as c10d names its ops
         return MissingOp(_aten(m["op"]), dtype)
     return None
 

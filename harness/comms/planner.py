@@ -67,12 +67,18 @@ class Misuse(RuntimeError):
     never blamed on a peer. A RuntimeError, as c10d's own usage errors are."""
 
 
+COLLECTIVES: set[str] = set()  # every collective a planner serves, by the name c10d's Backend gives it
+
+
 def _collective(op: str) -> Callable:
     """A planner method: transport failures raised while planning come back naming the failed peer."""
+    COLLECTIVES.add(op)
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def run(self: ShapedCollectives, *args: object) -> torch.futures.Future:
+            if op in self.lacking:  # c10d's own words for a backend without this collective
+                raise RuntimeError(f"Backend {self.label} does not support {op}")
             t0 = time.perf_counter()
             try:
                 return fn(self, *args)
@@ -127,6 +133,7 @@ class ShapedCollectives(Stages):
         self.peers = Peers(store, rank, self.members, label)
         # how a split of this group makes its planner: (store, rank, size, timeout, members) -> planner
         self.factory: Callable[..., ShapedCollectives] | None = None
+        self.lacking: frozenset[str] = frozenset()  # collectives this backend does not have (a young chip's)
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -36,6 +36,10 @@ Wrong use fails, it does not hang:
   collective used fails ("Tensor found on device ..."), as on a NCCL group bound to a device.
   Off (the default), ranks may share devices (``sim:{rank % device_count}``).
 
+A young chip's process group may lack collectives: ``PORTHARNESS_SIM_LACKS_COLLECTIVES`` (comma-separated
+planner names, e.g. ``reduce_scatter_tensor,all_to_all_single``) makes sim's refuse them with c10d's own
+words for a backend without one ("Backend sim does not support reduce_scatter_tensor").
+
 This module depends only on torch, `harness.sim` and `harness.comms` (torch only).
 """
 
@@ -49,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from harness.comms.planner import Misuse, ShapedCollectives
+from harness.comms.planner import COLLECTIVES, Misuse, ShapedCollectives
 from harness.comms.settings import (  # noqa: F401  the sim switches, re-exported
     BUCKET_MB_ENV,
     DEFAULT_BUCKET_MB,
@@ -82,6 +86,7 @@ BACKEND_NAME = "sim"
 
 CHECK_ENV = "PORTHARNESS_SIM_CHECK_COLLECTIVES"
 EXCLUSIVE_ENV = "PORTHARNESS_SIM_EXCLUSIVE"
+LACKS_ENV = "PORTHARNESS_SIM_LACKS_COLLECTIVES"
 
 
 def _flag(name: str, default: str) -> bool:
@@ -151,7 +156,17 @@ def _planner(store: dist.Store, rank: int, size: int, timeout: datetime.timedelt
     planner = ShapedCollectives(store, rank, size, timeout, transport="gloo", unwrap=unwrap, members=members,
                                 label=BACKEND_NAME, check=_flag(CHECK_ENV, "1"))
     planner.factory = _planner  # a split group (DeviceMesh after init_process_group(device_id=...)) is one too
+    planner.lacking = _lacking()
     return planner
+
+
+def _lacking() -> frozenset[str]:
+    """The collectives ``PORTHARNESS_SIM_LACKS_COLLECTIVES`` takes away (ValueError for a name sim has none of)."""
+    names = frozenset(n.strip() for n in os.environ.get(LACKS_ENV, "").split(",") if n.strip())
+    if unknown := sorted(names - COLLECTIVES):
+        raise ValueError(f"{LACKS_ENV}: no collective named {', '.join(unknown)}; e.g. all_reduce, "
+                         "all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single")
+    return names
 
 
 def _create(opts: c10d._DistributedBackendOptions, backend_options: object = None):
