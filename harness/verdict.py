@@ -142,7 +142,7 @@ KEPT = ("contract", "metrics", "rmse_ratio", "declared_ratio", "max_abs_err", "m
         "first_drift_module", "first_drift_module_type", "first_drift_op", "first_drift_op_module",
         "first_drift_op_inputs", "first_drift_op_ratio", "first_drift_step", "first_drift_param", "grad_worst_ratio",
         "loss_delta", "grad_norm_ratio", "loss_kind", "tokens_matched", "first_divergent_step", "divergence",
-        "ops_checked", "fallback_ops", "native_ops", "op_census", "repro_path", "compile_stage", "graphs",
+        "ops_checked", "fallback_ops", "native_ops", "op_census", "repro_path", "compile_stage", "graph_count",
         "graph_breaks", "confirm", "confirm_note", "eager_outcome")
 
 
