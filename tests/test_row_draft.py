@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness import verdict
 from harness.results.draft import RowDraft, RowFieldError
 from harness.results.rows import Measurement
+from harness.run.attribution import classify_exception
 from harness.run.context import Stop
 
 
@@ -60,3 +62,12 @@ def test_the_finished_row_is_a_measurement_and_the_pipeline_fields_are_its_own()
         RowDraft(outcome="pass", wall_time_s=2.0).measurement(model_id="m", wall_time_s=1.0)
     with pytest.raises(TypeError, match="outcome"):  # no verdict, no row
         RowDraft().measurement(model_id="m")
+
+
+def test_producers_hand_over_checked_typed_fields() -> None:
+    with pytest.raises(RowFieldError, match="'eror_message' is not a row field"):  # at the raise, not at the end
+        raise Stop({"outcome": "crash", "eror_message": "x"})
+    fields = classify_exception(RuntimeError("boom"))
+    assert isinstance(fields, RowDraft) and fields.row.outcome == "crash" and fields.row.error_message == "boom"
+    with pytest.raises(RowFieldError, match="'first_drift_ops' is not a row field"):  # merged into the row: checked
+        verdict.confirmed(RowDraft(outcome="pass_declared"), {"outcome": "drift", "first_drift_ops": "x"}, "bf16")

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         from harness.run.attribution import classify_exception
 
         fields = classify_exception(e, adapter, stage=STAGES.get(phase[0], "target"))
-        (job_dir / f"rank{rank}.error.json").write_text(json.dumps(fields, default=str))
+        (job_dir / f"rank{rank}.error.json").write_text(json.dumps(dict(fields), default=str))
         return 1
 
 

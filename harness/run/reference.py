@@ -69,7 +69,7 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
     except Stop as stop:
         if stop.fields.get("outcome") in STOPS_CACHED:
             with clock.phase(phases.REF_STORE):
-                stored = cache.put(key, {}, {"stop": stop.fields, "phases": _phase_seconds(clock)}, parts)
+                stored = cache.put(key, {}, {"stop": dict(stop.fields), "phases": _phase_seconds(clock)}, parts)
         else:
             stored = f"computed (not stored: {stop.fields.get('outcome')} is this run's, not the reference's answer)"
         stop.fields["ref_cache"] = _joined(note, stored)
