@@ -67,7 +67,7 @@ class ReferenceSide:
     expected: dict[str, torch.Tensor] | None  # None: the contract is exact, or the model cannot run emulated
     ref_s: float
     cached: bool = False  # from the reference cache: nothing above was computed, the model was not run
-    fields: dict[str, Any] = field(default_factory=dict)  # the row's ref_cache and ref_key
+    fields: RowDraft = field(default_factory=RowDraft)  # the row's ref_cache and ref_key
 
 
 def load(entry: ModelEntry, task: Task) -> tuple[LoadedModel, dict[str, Any]]:
