@@ -27,6 +27,7 @@ rules as tables.
 from __future__ import annotations
 
 import signal
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +143,7 @@ KEPT = ("contract", "metrics", "rmse_ratio", "declared_ratio", "max_abs_err", "m
         "first_drift_module", "first_drift_module_type", "first_drift_op", "first_drift_op_module",
         "first_drift_op_inputs", "first_drift_op_ratio", "first_drift_step", "first_drift_param", "grad_worst_ratio",
         "loss_delta", "grad_norm_ratio", "loss_kind", "tokens_matched", "first_divergent_step", "divergence",
-        "ops_checked", "fallback_ops", "native_ops", "op_census", "repro_path", "compile_stage", "graphs",
+        "ops_checked", "fallback_ops", "native_ops", "op_census", "repro_path", "compile_stage", "graph_count",
         "graph_breaks", "confirm", "confirm_note", "eager_outcome")
 
 
@@ -171,7 +172,7 @@ def after_death(outcome: str, message: str, phase: str, earlier: dict[str, Any] 
 CONFIRMED, UNCONFIRMED, HIDDEN = "confirmed", "unconfirmed", "hidden drift"
 
 
-def confirmed(out: dict[str, Any], confirm: dict[str, Any], declared: str) -> bool:
+def confirmed(out: MutableMapping[str, Any], confirm: Mapping[str, Any], declared: str) -> bool:
     """The row after its confirmation run's fields (`confirm`) came in; True when the row's verdict is now
     the confirmation's (a hidden drift, or the device failing under it)."""
     outcome = confirm.get("outcome", "")
@@ -207,7 +208,7 @@ LOCATION = ("first_drift_step", "first_drift_op", "first_drift_op_module", "firs
             "first_drift_op_ratio", "first_drift_module", "first_drift_module_type", "repro_path")
 
 
-def located(out: dict[str, Any], at_highest: dict[str, Any], declared: str) -> None:
+def located(out: MutableMapping[str, Any], at_highest: Mapping[str, Any], declared: str) -> None:
     """A row that drifts at the declared precision, after its run at the highest: where that run drifts too,
     the first drifting step, op and module are its (rounding no longer masks them), the verdict and its
     measures stay the declared run's, and the note says what moved."""
@@ -227,7 +228,7 @@ def located(out: dict[str, Any], at_highest: dict[str, Any], declared: str) -> N
         out["error_message"] = f"{out.get('error_message', '')}; at full precision it is first seen at: {'; '.join(moved)}"[:2000]
 
 
-def rechecked(compiled: dict[str, Any], eager: dict[str, Any], device: str) -> dict[str, Any]:
+def rechecked(compiled: Mapping[str, Any], eager: Mapping[str, Any], device: str) -> dict[str, Any]:
     """A compiled row that did not pass, after the same step ran eagerly: its `eager_outcome` and the message
     saying whose failure it is (the compiler's alone, or the device's eager path too)."""
     outcome = eager.get("outcome", "")

@@ -3,6 +3,7 @@ and no process; then, end to end, a worker that dies at full precision keeps the
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sqlite3
 import subprocess
@@ -15,6 +16,7 @@ from conftest import LIST_HEADER, list_rows
 from harness import verdict
 from harness.outcomes import BEYOND, OUTCOMES, WITHIN_DECLARED, WITHIN_FP32
 from harness.phases import DEVICE_PHASES, PHASES, REFERENCE_PHASES, TABLE
+from harness.results.rows import Measurement
 from harness.verdict import DeathEvidence, FailureEvidence, StepEvidence
 
 F, D, B = WITHIN_FP32, WITHIN_DECLARED, BEYOND
@@ -104,6 +106,14 @@ def test_a_death_keeps_what_earlier_phases_established(outcome: str, phase: str,
     assert row.get("confirm") == confirm
     if kept:
         assert f"before it, the step was {kept}" in row["error_message"] and row["rmse_ratio"] == 3.2
+
+
+def test_what_a_death_keeps_and_where_a_drift_starts_are_named_by_row_fields() -> None:
+    """KEPT and LOCATION are read from the row by name: a name that is no Measurement field is never kept (KEPT
+    said "graphs" for graph_count, so a compiled row's graph count was lost to a later death)."""
+    names = {f.name for f in dataclasses.fields(Measurement)}
+    assert set(verdict.KEPT) - names == set()
+    assert set(verdict.LOCATION) - names == set()
 
 
 def test_phases_are_one_table_and_every_list_of_them_derives_from_it() -> None:

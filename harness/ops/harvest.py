@@ -26,6 +26,7 @@ from harness import verdict
 from harness.models.model_list import ModelEntry
 from harness.ops.signature import Signature, Unrepresentable, call_key, merge_gens, observations
 from harness.phases import HARVEST, LOAD
+from harness.results.draft import RowDraft
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception
 from harness.run.context import Task, load
@@ -145,11 +146,10 @@ def harvest_model(task: Task, on_phase: Callable[[str], None] | None = None) -> 
             plan.step(model, plan.inputs)
         phases["harvest"] = {"s": round(time.perf_counter() - t0, 4)}
         harvest = h.result()
-        fields: dict[str, Any] = {"outcome": verdict.harvested(), "harvest": harvest,
-                                  "error_message": f"{len(harvest['uses'])} variations, "
-                                                   f"{sum(harvest['uses'].values())} calls"}
+        fields = RowDraft(outcome=verdict.harvested(), harvest=harvest,
+                          error_message=f"{len(harvest['uses'])} variations, {sum(harvest['uses'].values())} calls")
     except Skip as e:
-        fields = {"outcome": verdict.harvested(applies=False), "error_message": str(e)}
+        fields = RowDraft(outcome=verdict.harvested(applies=False), error_message=str(e))
     except Exception as e:
         fields = classify_exception(e, None, stage)
     return Measurement(model_id=entry.id, device=task.target, phases=phases, load_time_s=phases.get("load", {}).get("s"),

@@ -34,6 +34,7 @@ from harness.backends.contracts import Contract, Emulate, contract
 from harness.ops.signature import display, regenerate, resolve
 from harness.outcomes import BEYOND, WITHIN_FP32, judge
 from harness.phases import COMPARE, REFERENCE, TARGET
+from harness.results.draft import RowDraft
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain, target_failure
 from harness.run.context import Stop, Task
@@ -113,7 +114,7 @@ def run_variation(task: Task, on_phase: Callable[[str], None] | None = None) -> 
                        ref_time_s=phases.get("reference", {}).get("s"), **fields)
 
 
-def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManager]) -> dict[str, Any]:
+def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManager]) -> RowDraft:
     adapter = adapter_for(task.target)
     declared = contract(adapter.declared_precision(task.settings))
     with phase(REFERENCE.name):
@@ -127,19 +128,21 @@ def _pipeline(task: Task, phase: Callable[[str], contextlib.AbstractContextManag
             raise Stop(_host_side(e, "reference")) from None
     with phase(TARGET.name):
         got, census = _target(call, task, adapter)
-    out: dict[str, Any] = {**census_fields(census), "contract": declared.name}
+    out = census_fields(census)
+    out["contract"] = declared.name
     if call.random or ref.varies:
         name = call.overload._schema.name.removeprefix("aten::") if call.overload is not None else ""
         what = ("its result is uninitialised memory" if name in _UNINITIALISED else "a random op" if call.random
                 else "the CPU itself gives different values run to run")
-        return {**out, "outcome": verdict.reference(applies=False),
-                "error_message": f"ran on {task.target} without error; not compared ({what})"}
+        out.update(outcome=verdict.reference(applies=False),
+                   error_message=f"ran on {task.target} without error; not compared ({what})")
+        return out
     with phase(COMPARE.name):
         out.update(_verdict(call, ref, got, declared, task))
     return out
 
 
-def _host_side(e: BaseException, stage: str) -> dict[str, Any]:
+def _host_side(e: BaseException, stage: str) -> RowDraft:
     """A failure before the target ran: the regenerated inputs or the CPU's (never the target's; memory it
     could not get here is the harness's inputs, not a kernel's)."""
     return classify_exception(e, None, stage, host_inputs=True)
@@ -238,12 +241,13 @@ def _target(call: Call, task: Task, adapter: Adapter) -> tuple[list[Any], Any]:
             host = [x.detach().to("cpu") if isinstance(x, torch.Tensor) else x for x in out]
             adapter.synchronize(device)
     except Exception as e:
-        raise Stop({**target_failure(e, drain(adapter, device), adapter),
-                    **(census_fields(census) if census is not None else {})}) from None
+        stop = target_failure(e, drain(adapter, device), adapter)
+        stop.update(census_fields(census) if census is not None else {})
+        raise Stop(stop) from None
     return host, census
 
 
-def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, task: Task) -> dict[str, Any]:
+def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, task: Task) -> RowDraft:
     """pass / pass_declared / drift over every result, with the worst ratios and a drift's finding."""
     worst_fp32, worst_declared, max_abs = 0.0, 0.0, 0.0
     failure: tuple[int, float | None, str] | None = None
@@ -291,11 +295,12 @@ def _verdict(call: Call, ref: Reference, got: list[Any], declared: Contract, tas
         judgements.append(judge(False, ok))
         if not ok:
             failure = (i, dratio, note)
-    fields: dict[str, Any] = {"rmse_ratio": worst_fp32, "declared_ratio": worst_declared if not declared.exact else None,
-                              "max_abs_err": max_abs}
+    fields = RowDraft(rmse_ratio=worst_fp32, declared_ratio=worst_declared if not declared.exact else None,
+                      max_abs_err=max_abs)
     found = verdict.step(verdict.StepEvidence(tuple(judgements), kernel_beyond=failure is not None))
     if failure is None:
-        return {**fields, "outcome": found.outcome}
+        fields["outcome"] = found.outcome
+        return fields
     i, ratio, note = failure
     inputs = [_describe(x) for x in tree_flatten((call.args, call.kwargs))[0] if isinstance(x, torch.Tensor)]
     message = verdict.kernel_message("kernel", call.op, inputs, declared.name, ratio, note,

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 compile_model(wrapped, cfg)  # FSDP2's and TP's hooks and collectives traced with the model
             plan.step(wrapped, on_device)  # first-call costs (compiled: the compile), as the pipeline's warm-up
             if isinstance(watch, CompileWatch):
-                info["compiled"] = watch.freeze()
+                info["compiled"] = dict(watch.freeze())  # JSON for the worker
             t0 = time.perf_counter()
             out = plan.step(wrapped, on_device)
             adapter.synchronize(device_name)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         from harness.run.attribution import classify_exception
 
         fields = classify_exception(e, adapter, stage=STAGES.get(phase[0], "target"))
-        (job_dir / f"rank{rank}.error.json").write_text(json.dumps(fields, default=str))
+        (job_dir / f"rank{rank}.error.json").write_text(json.dumps(dict(fields), default=str))
         return 1
 
 

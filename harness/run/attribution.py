@@ -23,10 +23,11 @@ from __future__ import annotations
 import re
 import sys
 import traceback
-from typing import Any
+from dataclasses import dataclass
 
 from harness.backends import Adapter, owner
 from harness.backends.errors import chain
+from harness.results.draft import RowDraft
 from harness.run.memory import capped, import_failure
 from harness.verdict import FailureEvidence, failure
 
@@ -44,7 +45,7 @@ def _trim_traceback(exc: BaseException) -> str:
 
 
 def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage: str = "target",
-                       host_inputs: bool = False) -> dict[str, Any]:
+                       host_inputs: bool = False) -> RowDraft:
     """Measurement fields for an exception raised in `stage` (load, reference or target); the outcome is
     `harness.verdict.failure`'s, from what this reads of the exception (`host_inputs`: an op variation's own
     inputs and CPU run, where memory is the host side's).
@@ -54,11 +55,7 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
     import that fails under the worker's memory cap is the cap's (`CAP_TOO_SMALL`: the run stops). Then
     exhausted memory in any phase is `oom`, naming the phase; then the stage; then a missing op, then a
     crash."""
-    base = {
-        "error_type": type(exc).__name__,
-        "error_message": str(exc)[:2000],
-        "traceback": _trim_traceback(exc),
-    }
+    said = str(exc)[:2000]
     fault = adapter.blames_device(exc, stage) if adapter is not None else None
     links = chain(exc)
     oom = any(isinstance(e, MemoryError) or _OOM.search(str(e)) for e in links)
@@ -67,34 +64,32 @@ def classify_exception(exc: BaseException, adapter: Adapter | None = None, stage
     outcome = failure(FailureEvidence(stage, device_fault=fault is not None, cap_too_small=capped() and import_failure(exc),
                                       out_of_memory=oom, missing_op=missing is not None, compiling=compiled is not None,
                                       host_inputs=host_inputs))
+    row = RowDraft(outcome=outcome, error_type=type(exc).__name__, error_message=said, traceback=_trim_traceback(exc))
     if outcome == "device_error":
         assert adapter is not None and fault is not None
         if fault is not exc:
-            base["error_type"] = type(fault).__name__
-            base["error_message"] = (f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: "
-                                     f"{str(exc)[:300]})")[:2000]
-        return {"outcome": outcome, "device_fault": True, "device_unreachable": adapter.unreachable(exc, stage), **base}
-    if outcome == "load_fail" and capped() and import_failure(exc):
-        return {"outcome": outcome, **base, "error_type": CAP_TOO_SMALL}
-    if outcome == "oom":
-        return {"outcome": outcome, **base, "error_message": f"out of memory in the {stage} phase: {str(exc)[:2000]}"}
-    if outcome == "unsupported_op":  # the backend's gap, also where the compiler ran the op on it while compiling
+            row.update(error_type=type(fault).__name__, error_message=(
+                f"{fault} (in the {stage} phase, raised as {type(exc).__name__}: {str(exc)[:300]})")[:2000])
+        row.update(device_fault=True, device_unreachable=adapter.unreachable(exc, stage))
+    elif outcome == "load_fail" and capped() and import_failure(exc):
+        row["error_type"] = CAP_TOO_SMALL
+    elif outcome == "oom":
+        row["error_message"] = f"out of memory in the {stage} phase: {said}"
+    elif outcome == "unsupported_op":  # the backend's gap, also where the compiler ran the op on it while compiling
         assert missing is not None and adapter is not None
-        fields = {"outcome": outcome, "unsupported_op": missing.op, "unsupported_dtype": missing.dtype, **base}
+        row.update(unsupported_op=missing.op, unsupported_dtype=missing.dtype)
         if compiled is not None:
-            compiled.pop("_backend_raised")
-            fields.update(compiled, error_message=(f"the {adapter.kind} backend refused {missing.op} while the "
-                                                   f"compiler ran it ({compiled['compile_stage']}): "
-                                                   f"{base['error_message']}")[:2000])
-        return fields
-    if outcome == "compile_fail":
+            row.update(compile_stage=compiled.stage, compile_node=compiled.node, error_message=(
+                f"the {adapter.kind} backend refused {missing.op} while the compiler ran it ({compiled.stage}): "
+                f"{said}")[:2000])
+    elif outcome == "compile_fail":
         assert compiled is not None
-        where = compiled["compile_stage"] + (f", at {compiled['compile_node']}" if compiled["compile_node"] else "")
-        if compiled.pop("_backend_raised", False) and adapter is not None:
+        where = compiled.stage + (f", at {compiled.node}" if compiled.node else "")
+        if compiled.backend_raised and adapter is not None:
             where += f"; raised in the {adapter.kind} backend's own code, which the compiler ran on the device"
-        return {"outcome": outcome, **base, **compiled,
-                "error_message": f"compile failed in {where}: {base['error_message']}"[:2000]}
-    return {"outcome": outcome, **base}
+        row.update(compile_stage=compiled.stage, compile_node=compiled.node,
+                   error_message=f"compile failed in {where}: {said}"[:2000])
+    return row
 
 
 # Stages of torch.compile, told apart by the innermost frame of the backend's error that belongs to one
@@ -143,10 +138,18 @@ def _stage(inner: BaseException, adapter: Adapter | None = None) -> tuple[str, b
     return BACKEND, False  # no compiler frame above the backend's code: its own compiler (a vendor's) raised
 
 
-def compile_failure(exc: BaseException, adapter: Adapter | None = None) -> dict[str, Any] | None:
-    """``compile_stage`` and ``compile_node`` for an error raised while Dynamo traced or a backend
-    compiled (None: not the compiler's). The node is the op or graph node the error names, if any;
-    ``_backend_raised``: the target backend's own code raised it (the compiler ran something on the device)."""
+@dataclass(frozen=True)
+class CompileFailure:
+    """Where the compiler failed: the row's ``compile_stage`` and ``compile_node``."""
+
+    stage: str  # DYNAMO, AOT, PASSES or BACKEND
+    node: str  # the op or graph node the error names ("" : none)
+    backend_raised: bool  # the target backend's own code raised it (the compiler ran something on the device)
+
+
+def compile_failure(exc: BaseException, adapter: Adapter | None = None) -> CompileFailure | None:
+    """Where an error raised while Dynamo traced or a backend compiled struck (None: not the compiler's). The
+    node is the op or graph node the error names, if any."""
     if "torch._dynamo" not in sys.modules:  # nothing compiled in this process
         return None
     from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
@@ -168,7 +171,7 @@ def compile_failure(exc: BaseException, adapter: Adapter | None = None) -> dict[
                 break
         if node:
             break
-    return {"compile_stage": stage, "compile_node": node, "_backend_raised": raised}
+    return CompileFailure(stage, node, raised)
 
 
 def drain(adapter: Adapter, device: str) -> BaseException | None:
@@ -180,7 +183,7 @@ def drain(adapter: Adapter, device: str) -> BaseException | None:
     return None
 
 
-def target_failure(exc: BaseException, late: BaseException | None, adapter: Adapter) -> dict[str, Any]:
+def target_failure(exc: BaseException, late: BaseException | None, adapter: Adapter) -> RowDraft:
     """The fields for a target run that raised `exc`, the device having reported `late` at the
     synchronize after it: a device fault in either wins; else the late error, which was queued first."""
     if late is None or adapter.blames_device(exc) is not None:

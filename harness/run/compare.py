@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.outcomes import BEYOND, judge
+from harness.results.draft import RowDraft
 
 DEFAULT_TOL = 1e-3  # the dynamo runner's HF inference tolerance
 COSINE_FALLBACK = 0.99
@@ -221,20 +222,20 @@ class Comparison:
     def nonfinite(self) -> bool:
         return any(c.nonfinite for c in self.checks)
 
-    def summary(self) -> dict:
+    def summary(self) -> RowDraft:
         """Row-level numbers: the worst value of each metric over all outputs."""
         ratios = [c.rmse_ratio for c in self.checks if c.rmse_ratio is not None]
         declared = [c.declared_ratio for c in self.checks if c.declared_ratio is not None]
         abs_ = [c.max_abs for c in self.checks if c.max_abs is not None]
         rel = [c.max_rel for c in self.checks if c.max_rel is not None]
         cos = [c.cosine for c in self.checks if c.cosine is not None]
-        return {
-            "rmse_ratio": _finite(max(ratios)) if ratios else None,
-            "declared_ratio": _finite(max(declared)) if declared else None,
-            "max_abs_err": max(abs_) if abs_ else None,
-            "max_rel_err": max(rel) if rel else None,
-            "min_cosine": min(cos) if cos else None,
-        }
+        return RowDraft(
+            rmse_ratio=_finite(max(ratios)) if ratios else None,
+            declared_ratio=_finite(max(declared)) if declared else None,
+            max_abs_err=max(abs_) if abs_ else None,
+            max_rel_err=max(rel) if rel else None,
+            min_cosine=min(cos) if cos else None,
+        )
 
 
 def compare_outputs(

@@ -35,7 +35,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ import torch
 from harness import phases
 from harness.backends.contracts import AMP_DTYPES
 from harness.outcomes import PASSING
+from harness.results.draft import RowDraft
 
 KEYS = ("compile", "dynamic", "amp")  # settings keys a configuration adds to a run's identity
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -111,7 +112,7 @@ def cache_dir(base: str, tag: str) -> str:
 RETRIED = ("compile_fail", "crash", "drift")  # what a damaged cached kernel or module makes of a good model
 
 
-def cache_suspect(directory: str, fields: dict[str, Any], eager_outcome: str) -> bool:
+def cache_suspect(directory: str, fields: Mapping[str, Any], eager_outcome: str) -> bool:
     """Whether the run's compile cache at `directory` may have caused the failed compiled row `fields`: its
     error names a file there (a truncated kernel, a module that does not load), or the cache served the
     compiled code (warm, mixed) and the same step passes eagerly on the same device."""
@@ -121,7 +122,7 @@ def cache_suspect(directory: str, fields: dict[str, Any], eager_outcome: str) ->
     return named or (fields.get("compile_cache") in ("warm", "mixed") and eager_outcome in PASSING)
 
 
-def _error_text(fields: dict[str, Any]) -> str:
+def _error_text(fields: Mapping[str, Any]) -> str:
     return f"{fields.get('error_message') or ''}\n{fields.get('traceback') or ''}"
 
 
@@ -129,7 +130,7 @@ def _spellings(directory: str) -> set[str]:
     return {directory, os.path.abspath(directory), os.path.realpath(directory)}
 
 
-def _named_files(directory: str, fields: dict[str, Any]) -> list[Path]:
+def _named_files(directory: str, fields: Mapping[str, Any]) -> list[Path]:
     """The files inside `directory` that the failure's message or traceback names (a module that does not
     load, a kernel that does not build): generated modules are named by a digest of code that holds the
     cache's own path, so a compile into another directory names them differently."""
@@ -141,8 +142,8 @@ def _named_files(directory: str, fields: dict[str, Any]) -> list[Path]:
     return sorted(found)
 
 
-def retry_in_fresh_cache(directory: str, failed: dict[str, Any], eager_outcome: str,
-                         attempt: Callable[[str], dict[str, Any]]) -> dict[str, Any] | None:
+def retry_in_fresh_cache(directory: str, failed: Mapping[str, Any], eager_outcome: str,
+                         attempt: Callable[[str], RowDraft]) -> RowDraft | None:
     """`attempt(cache)` (the compiled step, its row fields) again in a fresh temporary cache when the run's
     own cache at `directory` may have caused `failed` (`cache_suspect`); None when it may not have.
 
@@ -284,7 +285,7 @@ class CompileWatch:
     seconds: float = 0.0
     spans: int = 0
     _t0: float | None = field(default=None, repr=False)
-    _frozen: dict[str, Any] | None = field(default=None, repr=False)
+    _frozen: RowDraft | None = field(default=None, repr=False)
 
     def __enter__(self) -> CompileWatch:
         from torch._dynamo.callback import callback_handler
@@ -316,12 +317,12 @@ class CompileWatch:
         if self.on_phase is not None:
             self.on_phase(self.phase_now())
 
-    def freeze(self) -> dict[str, Any]:
+    def freeze(self) -> RowDraft:
         """The fields as of now (later compiles, the graph check's own, are not the model's)."""
         self._frozen = self.fields()
         return self._frozen
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> RowDraft:
         if self._frozen is not None:
             return self._frozen
         from torch._dynamo.utils import counters, get_compilation_metrics
@@ -329,15 +330,14 @@ class CompileWatch:
         breaks = counters["graph_break"]
         hits = counters["inductor"]["fxgraph_cache_hit"]
         misses = counters["inductor"]["fxgraph_cache_miss"]
-        return {
-            "graph_count": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(breaks.values())),
-            "graph_break_reasons": [_reason(r) for r in list(breaks)[:REASONS_KEPT]],
-            "recompiles": sum(1 for m in get_compilation_metrics() if m.recompile_reason),
-            "compile_s": round(self.seconds, 3) if self.spans else None,
-            "compile_cache": ("warm" if hits and not misses else "cold" if misses and not hits
-                              else "mixed" if hits else ""),
-        }
+        return RowDraft(
+            graph_count=int(counters["stats"]["unique_graphs"]),
+            graph_breaks=int(sum(breaks.values())),
+            graph_break_reasons=[_reason(r) for r in list(breaks)[:REASONS_KEPT]],
+            recompiles=sum(1 for m in get_compilation_metrics() if m.recompile_reason),
+            compile_s=round(self.seconds, 3) if self.spans else None,
+            compile_cache="warm" if hits and not misses else "cold" if misses and not hits else "mixed" if hits else "",
+        )
 
 
 def _reason(text: str) -> str:

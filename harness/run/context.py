@@ -5,6 +5,7 @@ context every later phase reads (`ModelRun`) instead of a dozen parameters each.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from harness.backends.contracts import Contract
 from harness.models.inputs import make_inputs
 from harness.models.load import LoadedModel, load_model
 from harness.models.model_list import ModelEntry
+from harness.results.draft import RowDraft
 from harness.run.compare import Tolerance
 from harness.run.memory import PhaseClock
 from harness.run.modes import Mode, Plan
@@ -48,11 +50,11 @@ class Task:
 
 
 class Stop(Exception):
-    """The model's row ends here, with these fields."""
+    """The model's row ends here, with these fields (checked as row fields where it is raised)."""
 
-    def __init__(self, fields: dict[str, Any]) -> None:
-        super().__init__(fields.get("outcome", ""))
-        self.fields = fields
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        self.fields = fields if isinstance(fields, RowDraft) else RowDraft(fields)
+        super().__init__(self.fields.row.outcome)
 
 
 @dataclass
@@ -65,7 +67,7 @@ class ReferenceSide:
     expected: dict[str, torch.Tensor] | None  # None: the contract is exact, or the model cannot run emulated
     ref_s: float
     cached: bool = False  # from the reference cache: nothing above was computed, the model was not run
-    fields: dict[str, Any] = field(default_factory=dict)  # the row's ref_cache and ref_key
+    fields: RowDraft = field(default_factory=RowDraft)  # the row's ref_cache and ref_key
 
 
 def load(entry: ModelEntry, task: Task) -> tuple[LoadedModel, dict[str, Any]]:

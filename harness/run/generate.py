@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from harness.models.outputs import on_host
+from harness.results.draft import RowDraft
 from harness.results.rows import output_step, step_output
-from harness.run.compare import _multiplier  # the rule's m (3 for small or half-precision outputs, else 2)
+from harness.run.compare import (
+    TensorCheck,
+    _multiplier,  # the rule's m (3 for small or half-precision outputs, else 2)
+)
 
 _NOT_PROMPT = ("decoder_input_ids", "decoder_attention_mask", "labels")
 
@@ -172,27 +176,24 @@ def free_running(new_tokens: int, cache: str) -> Callable[[torch.nn.Module, dict
     return lambda model, inputs: decode(model, inputs, new_tokens, cache).tokens
 
 
-def step_fields(checks: dict[str, Any]) -> dict[str, Any]:
+def step_fields(checks: Mapping[str, TensorCheck]) -> RowDraft:
     """The first step whose logits are outside the envelope that decides the verdict (None: none)."""
     steps = sorted(((k, c) for name, c in checks.items() if (k := output_step(name)) is not None), key=lambda s: s[0])
     bad = next((k for k, c in steps if not c.ok_declared), None)
-    return {"first_drift_step": bad}
+    return RowDraft(first_drift_step=bad)
 
 
 def agreement(ref_tokens: torch.Tensor, target_tokens: torch.Tensor, ref: dict[str, torch.Tensor],
               oracle: dict[str, torch.Tensor] | None, expected: dict[str, torch.Tensor] | None,
-              floor: float, step_ok: dict[str, bool] | None = None) -> dict[str, Any]:
+              floor: float, step_ok: dict[str, bool] | None = None) -> RowDraft:
     """Row fields for the free-running tokens: matched steps, the first divergent step, and there the
     reference's top-2 margin against the declared envelope: "near-tie" inside it, "bug" outside it, or
     where that step's teacher-forced logits (`step_ok`: output name -> within the verdict's envelope) are
     themselves beyond the bound."""
     same = (ref_tokens == target_tokens).all(dim=0).tolist()
     first = next((k for k, s in enumerate(same) if not s), None)
-    out: dict[str, Any] = {
-        "tokens_matched": len(same) if first is None else first,
-        "first_divergent_step": first,
-        "target_tokens": target_tokens.tolist(),
-    }
+    out = RowDraft(tokens_matched=len(same) if first is None else first, first_divergent_step=first,
+                   target_tokens=target_tokens.tolist())
     if first is None:
         return out
     row = int(torch.nonzero(ref_tokens[:, first] != target_tokens[:, first])[0, 0])

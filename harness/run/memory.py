@@ -7,7 +7,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from harness.phases import Phase
@@ -144,7 +144,7 @@ class PhaseClock:
         else:
             self._on_phase(name)
 
-    def establish(self, fields: dict[str, Any]) -> None:
+    def establish(self, fields: Mapping[str, Any]) -> None:
         """What the job has established so far (the first run's verdict, before a follow-up runs the target
         again): the supervisor hears it with the next phase, and a worker that dies in a later phase keeps
         it in its row (`harness.verdict.after_death`)."""

@@ -23,7 +23,7 @@ step from them without running it. A mode whose `plan` runs the step to decide o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from harness.backends.contracts import autocast_region
 from harness.models.labels import make_labels
 from harness.models.outputs import on_host, output_tensors
+from harness.results.draft import RowDraft
 from harness.run import KV_CACHES, MODE_NAMES, NEW_TOKENS, generate
 from harness.run.compare import Comparison, Tolerance
 from harness.run.train import (
@@ -55,7 +56,7 @@ class Plan:
 
     step: Step  # (model, inputs) -> named CPU tensors; run on the reference, the oracle and the target
     inputs: dict[str, Any]  # what the step takes (the model's inputs, plus labels in train mode)
-    fields: dict[str, Any] = field(default_factory=dict)  # row fields the mode decided (loss_kind)
+    fields: RowDraft = field(default_factory=RowDraft)  # row fields the mode decided (loss_kind)
     first: dict[str, torch.Tensor] | None = None  # the reference's first result, if deciding the step ran it
     extra: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None  # run once more on the target alone,
     # after the judged run (generate: free-running decoding); its result is the target side's `extra`
@@ -71,7 +72,7 @@ class Skip(Exception):
 class Assessment:
     """What a mode adds to a verdict: row fields, a decided outcome, messages for a drift's explanation."""
 
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: RowDraft = field(default_factory=RowDraft)
     missing_grads: list[str] = field(default_factory=list)  # train: evidence for the verdict (harness.verdict)
 
 
@@ -98,7 +99,7 @@ class Mode:
         return Plan(forward, inputs)
 
     def rebuild(self, model: torch.nn.Module, loaded: Any, entry: Any, inputs: dict[str, Any], seed: int,
-                fields: dict[str, Any]) -> Plan:
+                fields: Mapping[str, Any]) -> Plan:
         """The plan `plan` made, from the decisions it recorded (`fields`), for a reference side that comes
         from the cache: the model is prepared as `plan` prepares it, and nothing is run."""
         return replace(self.plan(model, loaded, entry, inputs, seed), first=None)
@@ -111,11 +112,11 @@ class Mode:
     def assess(self, ref: dict, target: dict, verdict: Comparison) -> Assessment:
         return Assessment()
 
-    def measure(self, side: Any, target: Any, verdict: Comparison, tol: Tolerance) -> dict[str, Any]:
+    def measure(self, side: Any, target: Any, verdict: Comparison, tol: Tolerance) -> RowDraft:
         """Row fields measured beyond the verdict, from the reference side and the target side."""
-        return {}
+        return RowDraft()
 
-    def explain(self, out: dict[str, Any], kernel: Any, verdict: Comparison, envelope: str) -> list[str]:
+    def explain(self, out: RowDraft, kernel: Any, verdict: Comparison, envelope: str) -> list[str]:
         """Extra sentences for a drift's message (and fields written into `out`)."""
         return []
 
@@ -208,10 +209,10 @@ class TrainMode(Mode):
         return []
 
 
-def _train_plan(inputs: dict[str, Any], fields: dict[str, Any], seed: int,
+def _train_plan(inputs: dict[str, Any], fields: Mapping[str, Any], seed: int,
                 first: dict[str, torch.Tensor] | None = None) -> Plan:
     model_loss = fields.get("loss_kind") == "model"
-    return Plan(lambda m, x: train_step(m, x, model_loss=model_loss, seed=seed), inputs, dict(fields), first)
+    return Plan(lambda m, x: train_step(m, x, model_loss=model_loss, seed=seed), inputs, RowDraft(fields), first)
 
 
 class GenerateMode(Mode):
@@ -238,7 +239,7 @@ class GenerateMode(Mode):
             raise Skip(f"--cache static: generate() decodes {type(model).__name__} with its own "
                        f"{ref.cache_kind or 'state'}, not a StaticCache")
         step = generate.TeacherForced(self.new_tokens, self.cache, ref.tokens)
-        return Plan(step, prompt, {"new_tokens": self.new_tokens, "ref_tokens": ref.tokens.tolist()},
+        return Plan(step, prompt, RowDraft(new_tokens=self.new_tokens, ref_tokens=ref.tokens.tolist()),
                     extra=generate.free_running(self.new_tokens, self.cache), phase=step.now)
 
     def rebuild(self, model, loaded, entry, inputs, seed, fields):
@@ -247,7 +248,7 @@ class GenerateMode(Mode):
         model.eval()
         prompt = generate.prompt(model, inputs)
         step = generate.TeacherForced(self.new_tokens, self.cache, torch.tensor(fields["ref_tokens"]))
-        return Plan(step, prompt, dict(fields), extra=generate.free_running(self.new_tokens, self.cache),
+        return Plan(step, prompt, RowDraft(fields), extra=generate.free_running(self.new_tokens, self.cache),
                     phase=step.now)
 
     def assess(self, ref, target, verdict):
@@ -255,11 +256,13 @@ class GenerateMode(Mode):
 
     def measure(self, side, target, verdict, tol):
         if target.extra is None:
-            return {}
+            return RowDraft()
         out = generate.agreement(torch.tensor(side.plan.fields["ref_tokens"]), target.extra, side.ref, side.oracle,
                                  side.expected, tol.floor(torch.zeros(1)), {c.name: c.ok_declared for c in verdict.checks})
         text = generate.token_text(self.tokenizer, side.plan.fields["ref_tokens"], out["target_tokens"])
-        return {**out, "token_text": text} if text else out
+        if text:
+            out["token_text"] = text
+        return out
 
     def explain(self, out, kernel, verdict, envelope):
         k = out.get("first_drift_step")

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from harness import files
 from harness.backends.contracts import CONTRACTS, MULTIPLIER_ARGS, Contract, Emulate
+from harness.results.draft import RowDraft
 
 ULPS = 4
 _SKIP_NAMES = frozenset(
@@ -447,11 +448,11 @@ def repro_preamble(modules: list[str], extra: list[str] | None = None) -> list[s
     return [f"importlib.import_module({m!r})  # the backend" for m in modules] + list(extra or [])
 
 
-def describe(failure: OpFailure) -> dict[str, Any]:
+def describe(failure: OpFailure) -> RowDraft:
     """Row fields for the first diverging op."""
-    return {
-        "first_drift_op": failure.op,
-        "first_drift_op_module": failure.module,
-        "first_drift_op_inputs": failure.inputs,
-        "first_drift_op_ratio": failure.ratio if failure.ratio is not None and failure.ratio < 1e300 else None,
-    }
+    return RowDraft(
+        first_drift_op=failure.op,
+        first_drift_op_module=failure.module,
+        first_drift_op_inputs=failure.inputs,
+        first_drift_op_ratio=failure.ratio if failure.ratio is not None and failure.ratio < 1e300 else None,
+    )

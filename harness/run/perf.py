@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from harness.results.draft import RowDraft
 from harness.run.context import DEFAULT_BUDGET_S
 from harness.speed import median_ranks, op_intervals, ratios, summarize, top_ops
 
@@ -386,7 +387,7 @@ def profile_rounds(target_s: float | None) -> int:
 def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock: tuple[str, Callable[[], float]] = (
             "wall", time.perf_counter), profile: Step | None = None, activity: torch.profiler.ProfilerActivity | None = None,
             reset_peak: Callable[[], None] | None = None, peak_mb: Callable[[], float | None] | None = None,
-            adaptive: bool = True, compiled: bool = False) -> dict[str, Any]:
+            adaptive: bool = True, compiled: bool = False) -> RowDraft:
     """Time ``steps`` (`time_rounds`) on ``clock`` (the one the target's adapter says measures its device;
     the wall clock's summaries are kept beside it when it is another), read the host's disturbance over the
     rounds (``perf.host``), profile ``profile`` (the target step) on the same clock, read the device's peak
@@ -396,7 +397,7 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
 
     t0 = time.perf_counter()
     perf: dict[str, Any] = {"budget_s": budget_s, "warmup": WARMUP, "threads": THREADS, "clock": clock[0]}
-    fields: dict[str, Any] = {}
+    fields = RowDraft()
     threads = torch.get_num_threads()
     torch.set_num_threads(THREADS)
     try:
@@ -404,12 +405,13 @@ def measure(steps: dict[str, Step], *, budget_s: float = DEFAULT_BUDGET_S, clock
     finally:
         torch.set_num_threads(threads)
     perf["wall_s"] = round(time.perf_counter() - t0, 3)
-    return {**fields, "perf": perf}
+    fields["perf"] = perf
+    return fields
 
 
 def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[], float]], profile: Step | None,
            activity: torch.profiler.ProfilerActivity | None, reset_peak: Callable[[], None] | None, peak_mb: Callable[[], float | None] | None,
-           perf: dict[str, Any], fields: dict[str, Any], adaptive: bool, compiled: bool) -> None:
+           perf: dict[str, Any], fields: RowDraft, adaptive: bool, compiled: bool) -> None:
     peak_kept = peak_mb is not None
     if peak_kept and reset_peak is not None:
         try:  # peak memory is optional: a backend without statistics still has its timing
@@ -446,12 +448,12 @@ def _timed(steps: dict[str, Step], budget_s: float, clock: tuple[str, Callable[[
             perf["profile_error"] = _error(e)
 
 
-def _headline(perf: dict[str, Any], rounds: int) -> dict[str, Any]:
+def _headline(perf: dict[str, Any], rounds: int) -> RowDraft:
     def median(key: str) -> float | None:
         return perf[key]["median"] if key in perf else None
 
-    return {"perf_target_s": median("target"), "perf_ref_s": median("reference"), "perf_ratio": median("ratio"),
-            "perf_speedup": median("speedup"), "perf_rounds": rounds}
+    return RowDraft(perf_target_s=median("target"), perf_ref_s=median("reference"), perf_ratio=median("ratio"),
+                    perf_speedup=median("speedup"), perf_rounds=rounds)
 
 
 def _error(e: BaseException) -> str:
@@ -461,7 +463,7 @@ def _error(e: BaseException) -> str:
 
 
 def measure_model(plan: Plan, cpu_model: torch.nn.Module | None, target: TargetSide, device: str, adapter: Adapter,
-                  settings: dict[str, Any], budget_s: float, *, compiled: bool = False) -> dict[str, Any]:
+                  settings: dict[str, Any], budget_s: float, *, compiled: bool = False) -> RowDraft:
     """`measure` for one model after its verdict: ``plan``'s step on the device model and inputs the
     target side left (`target.TargetSide`), under the backend's settings and synchronized, and on the CPU
     model (``cpu_model``; None when the model moved to the device in place: the target alone is timed).

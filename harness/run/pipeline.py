@@ -15,6 +15,10 @@ target once more under other settings through the same path and fold its verdict
 the device itself instead of a copy (no CPU copy is kept, nor an fp64 one, unless the mode needs the CPU
 model after the target: train mode's replayed updates); a drift that needs them for localization
 rebuilds them then.
+
+Every phase hands its row fields over as a `harness.results.draft.RowDraft` (Measurement's field names, each
+checked where it is set) and the pipeline merges them into one `Row`; its own timings are typed attributes there.
+A new way of running a model adds phases and producers, never a field list.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ from harness.backends.base import OpCensus
 from harness.backends.contracts import Emulate, amp, autocast_region, contract, with_amp
 from harness.models.model_list import ModelEntry
 from harness.outcomes import BEYOND
+from harness.results.draft import RowDraft
 from harness.results.rows import Measurement
 from harness.run.attribution import classify_exception, drain
 from harness.run.compare import Tolerance, compare_outputs
@@ -73,42 +78,60 @@ def run_one(task: Task, on_phase: Callable[[str], None] | None = None,
     )
     t_start = time.perf_counter()
     with PhaseClock(on_phase) as clock:
-        fields = _pipeline(entry, task, tol, clock, recorder, parallel)
-    return Measurement(
+        row = _pipeline(entry, task, tol, clock, recorder, parallel)
+    return row.fields.measurement(
         model_id=entry.id,
         device=task.target,
         load_time_s=clock.seconds("load"),
-        ref_time_s=fields.pop("_ref_s", None),
+        ref_time_s=row.ref_s,
         expected_time_s=clock.seconds("expected"),
-        target_time_s=fields.pop("_target_s", None),
+        target_time_s=row.target_s,
         phases=clock.phases,
-        **fields,
         wall_time_s=time.perf_counter() - t_start,
         peak_rss_mb=round(clock.rss.peak_mb, 1),
     )
 
 
+@dataclass
+class Row:
+    """The row while the phases run: the fields they decided, and the seconds its timings take from them."""
+
+    fields: RowDraft = field(default_factory=RowDraft)
+    ref_s: float | None = None  # the reference step's first run (a cached side's, as it was when computed)
+    target_s: float | None = None  # the first variant's judged run: a follow-up's runs are not the row's timings
+
+
+@dataclass
+class Judged:
+    """One run of the target as a variant says, judged: its row fields (its failure's, where it stopped), and its
+    target side (None: it stopped before the judged run finished)."""
+
+    fields: RowDraft
+    target: TargetSide | None
+
+
 def _pipeline(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock,
-              recorder: Callable[[], Any] | None = None, parallel: Any = None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    after: list[Callable[[], dict[str, Any]]] = []
+              recorder: Callable[[], Any] | None = None, parallel: Any = None) -> Row:
+    row = Row()
+    after: list[Callable[[], RowDraft]] = []
     try:
-        _phases(entry, task, tol, clock, out, after, recorder, parallel)
+        _phases(entry, task, tol, clock, row, after, recorder, parallel)
     except Stop as stop:
-        return {**out, **stop.fields}
+        row.fields.update(stop.fields)
+        return row
     if after:  # the verdict is complete: a worker that dies timing the step keeps it
-        clock.establish(_established(out))
+        clock.establish(_established(row.fields))
     for timing in after:  # speed, once the verdict is complete
         with clock.phase(phases.PERF):
-            out.update(timing())
-    return out
+            row.fields.update(timing())
+    return row
 
 
-def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, out: dict[str, Any],
-            after: list[Callable[[], dict[str, Any]]], recorder: Callable[[], Any] | None = None,
+def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, row: Row,
+            after: list[Callable[[], RowDraft]], recorder: Callable[[], Any] | None = None,
             parallel: Any = None) -> None:
-    """The phases, writing the row's fields into `out` (`Stop` where the row ends early); what runs after
-    the verdict goes into `after`."""
+    """The phases, writing into `row` (`Stop` where the row ends early); what runs after the verdict goes
+    into `after`."""
     adapter = adapter_for(task.target)
     mode = mode_for(task.settings)
     with clock.phase(phases.LOAD):
@@ -126,10 +149,11 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
     run.recorder = recorder() if recorder is not None else None
     run.parallel = parallel
     run.side = side = reference_side(run, RefCache(task.ref_cache) if task.ref_cache else None)
-    out.update(side.plan.fields, _ref_s=side.ref_s, oracle=side.oracle_rule)
-    out.update(side.fields)
+    row.ref_s = side.ref_s
+    row.fields.update(side.plan.fields, oracle=side.oracle_rule)
+    row.fields.update(side.fields)
     if run.recorder is not None:
-        _harvest(run, out)
+        _harvest(run, row.fields)
 
     # A small model keeps its CPU copy for module-level localization (and train mode's replayed updates);
     # a real checkpoint moves to the device in place (one copy of the weights, held by the device). A cached
@@ -141,34 +165,30 @@ def _phases(entry: ModelEntry, task: Task, tol: Tolerance, clock: PhaseClock, ou
         params <= COPY_MAX_PARAMS and ((task.localize and not side.cached) or task.perf))
 
     judged = first_variant(run)
-    row, last = _attempt(run, judged, after)  # the verdict's fields; follow-ups may amend or replace them
+    first = _attempt(run, judged, after)
+    decided = first.fields  # the verdict's fields; follow-ups may amend or replace them
+    row.target_s = first.target.seconds if first.target is not None else None
     # what a worker dying in a follow-up (or the timing) must not lose: the supervisor hears it now
-    run.clock.establish(_established(row))
+    run.clock.establish(_established(decided))
 
-    def rerun(variant: Variant) -> dict[str, Any]:
-        return _own(_attempt(run, variant)[0])
+    def rerun(variant: Variant) -> RowDraft:
+        return _attempt(run, variant).fields
 
     for follow in FOLLOW_UPS:
-        variant = follow.after(run, judged, row)
+        variant = follow.after(run, judged, decided)
         if variant is None:
             continue
-        fields, target = _attempt(run, variant)
-        if follow.merge(run, row, variant, _own(fields), rerun):
-            judged, last = variant, target or last
-    out.update(row)
+        if follow.merge(run, decided, variant, _attempt(run, variant).fields, rerun):
+            judged = variant
+    row.fields.update(decided)
 
 
-def _established(row: dict[str, Any]) -> dict[str, Any]:
+def _established(row: RowDraft) -> dict[str, Any]:
     """What of a verdict a later phase's death keeps (`harness.verdict.KEPT`), for the supervisor."""
     return {k: row[k] for k in ("outcome", "error_message", *KEPT) if row.get(k) not in (None, "")}
 
 
-def _own(fields: dict[str, Any]) -> dict[str, Any]:
-    """A follow-up run's row fields, without the first run's bookkeeping (its timings stay the row's)."""
-    return {k: v for k, v in fields.items() if not k.startswith("_")}
-
-
-def _harvest(run: ModelRun, out: dict[str, Any]) -> None:
+def _harvest(run: ModelRun, out: RowDraft) -> None:
     """The op calls the reference step made (recorded in its second run; with a cached reference side, in
     one more step now) into the row's `harvest`: diagnostics for the op worklist, never worth a verdict."""
     assert run.side is not None
@@ -183,12 +203,10 @@ def _harvest(run: ModelRun, out: dict[str, Any]) -> None:
     run.recorder = None
 
 
-def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str, Any]]] | None = None
-             ) -> tuple[dict[str, Any], TargetSide | None]:
-    """Run the target as `variant` says and judge it: its row fields (its failure's, if it stopped) and its
-    target side. The first variant's phases are the row's own (target, compare, localize); a follow-up's
-    are all one phase of its name."""
-    fields: dict[str, Any] = {}
+def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], RowDraft]] | None = None) -> Judged:
+    """Run the target as `variant` says and judge it. The first variant's phases are the row's own (target,
+    compare, localize); a follow-up's are all one phase of its name."""
+    fields = RowDraft()
     clock = run.clock
     target = None
     own = contextlib.nullcontext() if variant.first else clock.phase(variant.phase)
@@ -204,24 +222,23 @@ def _attempt(run: ModelRun, variant: Variant, after: list[Callable[[], dict[str,
             _verdict(run, variant, target, fields)
         except Stop as stop:
             fields.update(stop.fields)
-    return fields, target
+    return Judged(fields, target)
 
 
-def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str, Any]) -> None:
+def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: RowDraft) -> None:
     """Compare the target's step with the reference side's and explain a drift, writing the row's fields
     into `out`."""
     assert run.side is not None
     side, mode, declared, clock = run.side, run.mode, variant.declared, run.clock
     check = target.op_check
-    out["_target_s"] = target.seconds
     with clock.phase(phases.COMPARE) if variant.first else contextlib.nullcontext():
         ref, oracle, expected, tol = mode.before_compare(run.cpu_model, side.ref, target.out, side.oracle,
                                                          side.expected if not declared.exact else None, run.tol)
         verdict = compare_outputs(ref, target.out, oracle, tol, expected)
+    out.update(census_fields(target.census))
     out.update(
-        census_fields(target.census),
+        verdict.summary(),
         metrics={c.name: c.to_dict() for c in verdict.checks},
-        **verdict.summary(),
         contract=declared.name,
         ops_checked=check.checked if check is not None else None,
         ops_sampled_out=check.sampled_out if check is not None and check.per_signature is not None else None,
@@ -266,7 +283,7 @@ def _verdict(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str,
             _localized(run, variant, target, out)
 
 
-def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: dict[str, Any]) -> None:
+def _localized(run: ModelRun, variant: Variant, target: TargetSide, out: RowDraft) -> None:
     """The first drifting module, into `out` (localization is diagnostics: never lose the verdict over it)."""
     try:
         cpu, oracle_model = run.cpu_models()
@@ -299,7 +316,7 @@ def _g(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
-def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], dict[str, Any]]:
+def _perf(run: ModelRun, target: TargetSide, variant: Variant) -> Callable[[], RowDraft]:
     """The speed measurement, bound to this model's CPU copy and device model now (the pipeline lets go
     of the CPU model of a checkpoint that moved to the device in place). A compiled variant also times the
     step eagerly: the speedup."""
@@ -315,7 +332,7 @@ def _parallel_side(run: ModelRun, variant: Variant) -> TargetSide:
     assert run.side is not None
     t0 = time.perf_counter()
     out = _on_ranks(run, variant)
-    row: dict[str, Any] = {"parallel": run.parallel.fields(), **run.parallel.compiled}
+    row = RowDraft(parallel=run.parallel.fields(), **run.parallel.compiled)
     if run.parallel.timed:
         row["collectives"] = run.parallel.timed
     return TargetSide(run.model, run.side.plan.inputs, out, time.perf_counter() - t0, OpCensus(), None, row=row)
@@ -325,7 +342,7 @@ def _on_ranks(run: ModelRun, variant: Variant, localize: bool = False) -> dict[s
     """One launch of the step on the group's ranks, as `variant` runs it (their modules recorded: `localize`)."""
     assert run.side is not None
     return run.parallel.run(model=run.model, entry=asdict(run.entry), inputs=run.inputs, settings=variant.settings,
-                            seed=run.task.seed, fields=run.side.plan.fields, reference=run.side.ref,
+                            seed=run.task.seed, fields=dict(run.side.plan.fields), reference=run.side.ref,
                             cfg=asdict(variant.cfg), localize=localize)
 
 

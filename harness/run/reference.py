@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
 import torch
 
 from harness import phases, verdict
 from harness.backends.contracts import Emulate
 from harness.models.load import forget_lazy
+from harness.results.draft import RowDraft
 from harness.run.attribution import classify_exception
 from harness.run.compare import identical
 from harness.run.context import ModelRun, ReferenceSide, Stop
@@ -48,7 +48,7 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
                                contract=run.declared.name, settings=run.adapter.reference_settings(run.settings),
                                seed=run.task.seed, memo=cache.memo)
         except NoKey as e:
-            return _computed(run, {"ref_cache": f"computed (not cached: {e})"})
+            return _computed(run, RowDraft(ref_cache=f"computed (not cached: {e})"))
         key = key_of(parts)
         hit, note = cache.get(key, parts)
         if hit is not None:
@@ -57,19 +57,19 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
                 for name in CACHED_PHASES:
                     if name in hit.meta.get("phases", {}):
                         clock.cached(name)
-                fields = {"ref_cache": "cached", "ref_key": key}
+                fields = RowDraft(ref_cache="cached", ref_key=key)
                 if side is None:
                     raise Stop({**hit.meta["stop"], **fields})
                 side.fields = fields
                 return side
             note = "recomputed: the cached decisions could not rebuild the step"
-    fields = {"ref_key": key}
+    fields = RowDraft(ref_key=key)
     try:
         side = _computed(run, fields)
     except Stop as stop:
         if stop.fields.get("outcome") in STOPS_CACHED:
             with clock.phase(phases.REF_STORE):
-                stored = cache.put(key, {}, {"stop": stop.fields, "phases": _phase_seconds(clock)}, parts)
+                stored = cache.put(key, {}, {"stop": dict(stop.fields), "phases": _phase_seconds(clock)}, parts)
         else:
             stored = f"computed (not stored: {stop.fields.get('outcome')} is this run's, not the reference's answer)"
         stop.fields["ref_cache"] = _joined(note, stored)
@@ -77,7 +77,7 @@ def reference_side(run: ModelRun, cache: RefCache | None = None) -> ReferenceSid
     with clock.phase(phases.REF_STORE):
         tensors = {f"{group}/{name}": t for group, outs in zip(GROUPS, (side.ref, side.oracle, side.expected),
                                                                 strict=True) for name, t in (outs or {}).items()}
-        meta = {"oracle_rule": side.oracle_rule, "fields": side.plan.fields, "ref_s": side.ref_s,
+        meta = {"oracle_rule": side.oracle_rule, "fields": dict(side.plan.fields), "ref_s": side.ref_s,
                 "has": [g for g, outs in zip(GROUPS, (side.ref, side.oracle, side.expected), strict=True)
                         if outs is not None],
                 "phases": _phase_seconds(clock)}
@@ -113,8 +113,8 @@ def _from_cache(hit: Entry, run: ModelRun) -> ReferenceSide | None:
                          groups.get("expected"), float(meta.get("ref_s") or 0.0), True)
 
 
-def _computed(run: ModelRun, fields: dict[str, Any] | None = None) -> ReferenceSide:
-    fields = dict(fields or {})
+def _computed(run: ModelRun, fields: RowDraft | None = None) -> ReferenceSide:
+    fields = RowDraft(fields)
     model, mode, seed, clock = run.model, run.mode, run.task.seed, run.clock
     with clock.phase(phases.REFERENCE):
         try:

@@ -29,6 +29,7 @@ from harness.backends import Adapter
 from harness.backends.base import OpCensus
 from harness.backends.contracts import amp
 from harness.models.load import forget_lazy
+from harness.results.draft import RowDraft
 from harness.run.attribution import drain, target_failure
 from harness.run.compiled import CompileWatch, compile_model
 from harness.run.context import ModelRun, Stop
@@ -47,13 +48,14 @@ class TargetSide:
     census: OpCensus
     op_check: Any  # the op check (an OpCheck; compiled: the graph check's), None when off or it could not run
     extra: Any = None  # the plan's extra run's result (None: it has none)
-    row: dict[str, Any] = field(default_factory=dict)  # row fields it measured: CompileWatch's, a parallel run's ranks
+    row: RowDraft = field(default_factory=RowDraft)  # row fields it measured: CompileWatch's, a parallel run's ranks
 
 
-def census_fields(census: OpCensus) -> dict[str, Any]:
+def census_fields(census: OpCensus) -> RowDraft:
+    """What the backend said it ran: on the CPU (fallback ops), itself (native ops); nothing if it does not say."""
     if census.fallback is None and census.native is None:
-        return {}
-    return {"op_census": True, "fallback_ops": census.fallback or {}, "native_ops": census.native or []}
+        return RowDraft()
+    return RowDraft(op_census=True, fallback_ops=census.fallback or {}, native_ops=census.native or [])
 
 
 def to_device(inputs: dict[str, Any], device: str | torch.device, dtype: torch.dtype | None = None) -> dict[str, Any]:
@@ -108,7 +110,7 @@ def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last:
                 if plan.extra is not None and variant.extra:
                     extra = plan.extra(tmodel, inputs)
                     adapter.synchronize(device)
-            compiled = watch.freeze() if watch is not None else {}
+            compiled = watch.freeze() if watch is not None else RowDraft()
             if recorder is not None:
                 check = None if check is None else check_graphs(
                     recorder.graphs, cfg, variant.declared, torch.device(device).type,
@@ -118,8 +120,10 @@ def target_side(run: ModelRun, variant: Variant, check: OpCheck | None, *, last:
                     if x is not None and adapter.blames_device(x) is not None:
                         raise x
     except Exception as e:
-        raise Stop({**target_failure(e, drain(adapter, device), adapter), **census_fields(census),
-                    **(watch.fields() if watch is not None else {})}) from None
+        stop = target_failure(e, drain(adapter, device), adapter)
+        stop.update(census_fields(census))
+        stop.update(watch.fields() if watch is not None else {})
+        raise Stop(stop) from None
     return TargetSide(tmodel, inputs, out, seconds, census, check, extra, compiled)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,6 +40,8 @@ import torch
 
 from harness.backends.contracts import amp_dtype, autocast_region
 from harness.models.outputs import on_host, output_tensors
+from harness.results.draft import RowDraft
+from harness.run.compare import TensorCheck
 
 LR = 1e-3
 MOMENTUM = 0.9
@@ -238,8 +240,8 @@ def missing_grads(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor])
     return [k.removeprefix("grad/") for k in ref if k.startswith("grad/") and k not in target]
 
 
-def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor], checks: dict[str, Any]
-                  ) -> dict[str, Any]:
+def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor], checks: Mapping[str, TensorCheck]
+                  ) -> RowDraft:
     """Row fields: worst gradient ratio, the first parameter (module order) whose gradient is outside
     the envelope that decides the verdict, the gradient-norm ratio, the loss delta."""
     grads = [k for k in ref if k.startswith("grad/") and k in target]
@@ -248,12 +250,12 @@ def train_metrics(ref: dict[str, torch.Tensor], target: dict[str, torch.Tensor],
     norm_ref = torch.sqrt(sum((ref[k].double() ** 2).sum() for k in grads)) if grads else None
     norm_tgt = torch.sqrt(sum((target[k].double() ** 2).sum() for k in grads)) if grads else None
     loss_delta = (target["loss"].double() - ref["loss"].double()).item() if "loss" in target else None
-    return {
-        "grad_worst_ratio": max(ratios) if ratios else None,
-        "first_drift_param": bad.removeprefix("grad/") if bad else "",
-        "grad_norm_ratio": (norm_tgt / norm_ref).item() if norm_ref is not None and norm_ref > 0 else None,
-        "loss_delta": loss_delta,
-    }
+    return RowDraft(
+        grad_worst_ratio=max(ratios) if ratios else None,
+        first_drift_param=bad.removeprefix("grad/") if bad else "",
+        grad_norm_ratio=(norm_tgt / norm_ref).item() if norm_ref is not None and norm_ref > 0 else None,
+        loss_delta=loss_delta,
+    )
 
 
 NOISE_FLOOR = 1e-2  # of a family's RMS: where a relative floor stops (see Tolerance.min_rms)

@@ -30,6 +30,7 @@ from harness import phases, verdict
 from harness.backends.contracts import Contract, contract
 from harness.outcomes import PASSING
 from harness.phases import Phase
+from harness.results.draft import RowDraft
 from harness.run.compiled import Configuration, retry_in_fresh_cache
 from harness.run.context import ModelRun
 
@@ -69,16 +70,15 @@ def first_variant(run: ModelRun) -> Variant:
                    timed=run.task.perf and run.parallel is None)
 
 
-Rerun = Callable[[Variant], dict[str, Any]]  # the pipeline's one path: a variant run and judged, its row fields
+Rerun = Callable[[Variant], RowDraft]  # the pipeline's one path: a variant run and judged, its row fields
 
 
 class FollowUp(Protocol):
-    def after(self, run: ModelRun, judged: Variant, row: dict[str, Any]) -> Variant | None:
+    def after(self, run: ModelRun, judged: Variant, row: RowDraft) -> Variant | None:
         """The variant to run now, given the verdict's fields so far (`row`, judged by `judged`); None when
         none is due (it may note why in `row`)."""
 
-    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
-              rerun: Rerun) -> bool:
+    def merge(self, run: ModelRun, row: RowDraft, variant: Variant, fields: RowDraft, rerun: Rerun) -> bool:
         """Fold `variant`'s row fields into the row (`rerun` runs another variant, if it needs one); True when
         the row's verdict is now the variant's."""
 
@@ -89,14 +89,13 @@ class EagerRecheck:
     compiled module's again). Where the run's compile cache may be the cause (`compiled.cache_suspect`: it
     is the harness's state, not the backend's), the compiled step runs again in a fresh cache first."""
 
-    def after(self, run: ModelRun, judged: Variant, row: dict[str, Any]) -> Variant | None:
+    def after(self, run: ModelRun, judged: Variant, row: RowDraft) -> Variant | None:
         if not judged.cfg.compiled or row.get("outcome") in PASSING or row.get("device_fault"):
             return None
         return replace(judged, name="eager re-check", phase=phases.EAGER, cfg=judged.cfg.eager(), source="fresh",
                        extra=False, repro=False, localize=False, timed=False, of=judged)
 
-    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
-              rerun: Rerun) -> bool:
+    def merge(self, run: ModelRun, row: RowDraft, variant: Variant, fields: RowDraft, rerun: Rerun) -> bool:
         if fields.get("device_fault"):  # the device failed under the re-check: the row is the device's
             row.update(fields)
             return True
@@ -116,7 +115,7 @@ class Confirmation:
     """A ``pass_declared`` row, confirmed at the device's highest precision; a ``drift`` row at a declared
     precision, located there (see the module docstring)."""
 
-    def after(self, run: ModelRun, judged: Variant, out: dict[str, Any]) -> Variant | None:
+    def after(self, run: ModelRun, judged: Variant, out: RowDraft) -> Variant | None:
         if run.settings.get("confirm") == "off":
             return None
         outcome = out.get("outcome")
@@ -139,8 +138,7 @@ class Confirmation:
                        source="fresh" if judged.cfg.compiled else "reuse", warmup=judged.cfg.compiled,
                        extra=False, timed=False, op_check=locating and judged.op_check, of=judged)
 
-    def merge(self, run: ModelRun, row: dict[str, Any], variant: Variant, fields: dict[str, Any],
-              rerun: Rerun) -> bool:
+    def merge(self, run: ModelRun, row: RowDraft, variant: Variant, fields: RowDraft, rerun: Rerun) -> bool:
         if row.get("outcome") == "drift":  # located (a confirmed row is pass_declared until merged)
             verdict.located(row, fields, run.declared.name)
             return False
