@@ -36,6 +36,7 @@ import torch
 from harness import verdict
 from harness.parallel.spec import ParallelSpec, members, parse
 from harness.parallel.wrap import tp_plan
+from harness.results.draft import RowDraft
 from harness.run.context import Stop
 
 POLL_S = 0.05
@@ -179,12 +180,12 @@ class Parallel:
                 first = failed[0]
                 failed_at = time.monotonic()
             if first is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_S):
-                raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
+                raise Stop(RowDraft(self._failure(job_dir, procs, first), parallel=self.fields()))
             if time.monotonic() - t0 > self.deadline_s:
                 if first is not None:  # the deadline fell in a failure's grace: the failure is the row's
-                    raise Stop({**self._failure(job_dir, procs, first), "parallel": self.fields()})
+                    raise Stop(RowDraft(self._failure(job_dir, procs, first), parallel=self.fields()))
                 hung = [r for r, c in enumerate(codes) if c is None and self._status(job_dir, r) != "done"]
-                raise Stop({**self._hang(job_dir, hung), "parallel": self.fields()})
+                raise Stop(RowDraft(self._hang(job_dir, hung), parallel=self.fields()))
             time.sleep(POLL_S)
         for r in range(len(procs)):
             self.ranks[r]["phase"] = self._status(job_dir, r)
@@ -193,7 +194,7 @@ class Parallel:
             except (OSError, ValueError):
                 pass
 
-    def _failure(self, job_dir: Path, procs: list[subprocess.Popen], first: int) -> dict[str, Any]:
+    def _failure(self, job_dir: Path, procs: list[subprocess.Popen], first: int) -> RowDraft:
         """The row's fields for a group whose rank `first` failed first (a rank still running then hung)."""
         for r in range(len(procs)):
             self.ranks[r]["phase"] = self._status(job_dir, r)
@@ -206,24 +207,24 @@ class Parallel:
         if err:
             if err.get("device_fault"):
                 self._blame(first, job_dir, "fault")
-            return {**err, "error_message": f"{where}: {err.get('error_message', '')}"[:2000]}
+            return RowDraft(err, error_message=f"{where}: {err.get('error_message', '')}"[:2000])
         sig = -code if code is not None and code < 0 else None
         name = signal.Signals(sig).name if sig else f"exit code {code}"
         outcome = verdict.death(verdict.DeathEvidence(self._status(job_dir, first), None, sig))
         self._blame(first, job_dir, "death")
-        return {"outcome": outcome, "error_type": "RankDied", "signal": sig,
-                "error_message": f"{where} died: {name}; the other ranks were stopped",
-                "traceback": _tail(job_dir / f"rank{first}.log")}
+        return RowDraft(outcome=outcome, error_type="RankDied", signal=sig,
+                        error_message=f"{where} died: {name}; the other ranks were stopped",
+                        traceback=_tail(job_dir / f"rank{first}.log"))
 
-    def _hang(self, job_dir: Path, hung: list[int], because: str = "") -> dict[str, Any]:
+    def _hang(self, job_dir: Path, hung: list[int], because: str = "") -> RowDraft:
         for r in range(len(self.ranks)):
             self.ranks[r]["phase"] = self._status(job_dir, r)
         names = "; ".join(self._rank(r, job_dir) for r in hung)
         if len(hung) < len(self.ranks):  # the others finished or gave up on it; all hung names no one
             self._blame(hung[0], job_dir, "death")
-        return {"outcome": verdict.death(verdict.DeathEvidence("target", "timeout")), "error_type": "RankHung",
-                "error_message": (f"{names} did not finish ({because or f'no result within {self.deadline_s:.0f}s'});"
-                                  " every rank was stopped")[:2000]}
+        return RowDraft(outcome=verdict.death(verdict.DeathEvidence("target", "timeout")), error_type="RankHung",
+                        error_message=(f"{names} did not finish ({because or f'no result within {self.deadline_s:.0f}s'});"
+                                       " every rank was stopped")[:2000])
 
     def _blame(self, r: int, job_dir: Path, kind: str) -> None:
         """Rank `r`'s device is the evidence's (`harness.fleet.policy`: a death or a fault there counts against
