@@ -172,6 +172,50 @@ def test_incomplete_gamma_of_a_tiny_shape_keeps_eulers_constant():
     assert torch.igamma(a, x)[1].item() > 1.0  # the CPU's
 
 
+def _lanes(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x.resolve_conj())
+
+
+def _lane_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with each lane its own sum of real products (a chip's complex gemm; the suite's oracle)."""
+    return torch.complex(a.real @ b.real - a.imag @ b.imag, a.real @ b.imag + a.imag @ b.real)
+
+
+def _add_lanes(x: torch.Tensor, y: torch.Tensor, k: float = 1.0) -> torch.Tensor:
+    """x + k y per component (the CPU's complex add and scale multiply by k + 0j: NaN lanes next to an inf)."""
+    return torch.complex(x.real + k * y.real, x.imag + k * y.imag)
+
+
+def test_complex_matmul_family_keeps_determinate_lanes_next_to_an_inf():
+    """The CPU's complex gemm scales its sum by alpha = 1 + 0j: (inf + NaN j) * (1 + 0j) turns the real lane NaN
+    too. A lane whose real products hold no NaN and no opposite infinities has a value (here inf)."""
+    inf = float("inf")
+    a = torch.tensor([[complex(inf, 0), 1 + 1j], [2 + 0j, 3 - 1j]], dtype=torch.complex128)
+    b = torch.tensor([[1 + 0j, 2 + 0j], [1 + 0j, 1j]], dtype=torch.complex128)
+    c = torch.tensor([[1 + 2j, -1j], [0.5 + 0j, 2 + 0j]], dtype=torch.complex128)
+    product = _lane_product(a, b)
+    s = {k: v.to("sim") for k, v in {"a": a, "b": b, "c": c}.items()}
+    cases = {
+        "mm": (torch.mm(s["a"], s["b"]), product),
+        "mm out": (torch.mm(s["a"], s["b"], out=torch.empty(2, 2, dtype=a.dtype, device="sim")), product),
+        "bmm": (torch.bmm(s["a"][None], s["b"][None])[0], product),
+        "addmm": (torch.addmm(s["c"], s["a"], s["b"], beta=2, alpha=1), _add_lanes(2 * c, product)),
+        "baddbmm_": (s["c"][None].clone().baddbmm_(s["a"][None], s["b"][None])[0], _add_lanes(c, product)),
+        "addbmm": (torch.addbmm(s["c"], s["a"][None].expand(2, 2, 2), s["b"][None].expand(2, 2, 2)),
+                   _add_lanes(c, product, 2.0)),
+        "linear out": (torch.ops.aten.linear.out(s["a"], s["b"].t(), s["c"][0],
+                                                 out=torch.empty(2, 2, dtype=a.dtype, device="sim")),
+                       _add_lanes(product, c[0].expand(2, 2))),
+    }
+    for name, (got, want) in cases.items():
+        got, want = _lanes(got.cpu()), _lanes(want)
+        assert torch.equal(got.isnan(), want.isnan()), (name, got, want)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=name)
+    assert torch.mm(a, b)[0].isnan().all()  # the CPU's: both lanes of row 0 NaN; its real lanes are inf
+    finite = torch.randn(3, 4, dtype=torch.complex64), torch.randn(4, 2, dtype=torch.complex64)
+    assert torch.equal(torch.mm(*(t.to("sim") for t in finite)).cpu(), torch.mm(*finite))  # the CPU's bits
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()
