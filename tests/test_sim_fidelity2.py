@@ -216,6 +216,24 @@ def test_complex_matmul_family_keeps_determinate_lanes_next_to_an_inf():
     assert torch.equal(torch.mm(*(t.to("sim") for t in finite)).cpu(), torch.mm(*finite))  # the CPU's bits
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_bce_with_logits_of_minus_inf_is_inf(reduction: str):
+    """The CPU's (1 - t) x + m + log(e^-m + e^(-x-m)) at x = -inf is -inf + inf; t softplus(-x) + (1 - t)
+    softplus(x) is inf."""
+    x = torch.tensor([float("-inf"), 2.0, -1.5, float("inf")])
+    t = torch.tensor([0.25, 0.5, 1.0, 0.0])
+    want = torch.tensor([float("inf"), 0.0, 0.0, float("inf")])
+    want[1:3] = F.binary_cross_entropy_with_logits(x[1:3], t[1:3], reduction="none")
+    want = {"none": want, "mean": want.mean(), "sum": want.sum()}[reduction]
+    got = F.binary_cross_entropy_with_logits(x.to("sim"), t.to("sim"), reduction=reduction).cpu()
+    assert torch.equal(got, want), (got, want)
+    out = torch.ops.aten.binary_cross_entropy_with_logits.out(
+        x.to("sim"), t.to("sim"), reduction={"none": 0, "mean": 1, "sum": 2}[reduction],
+        out=torch.empty(0, device="sim"))
+    assert torch.equal(out.cpu(), want)
+    assert F.binary_cross_entropy_with_logits(x, t, reduction="none")[0].isnan()  # the CPU's
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()

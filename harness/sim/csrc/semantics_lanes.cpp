@@ -8,7 +8,12 @@
 //   inside the sum): a lane whose real terms are all determinate (no NaN, not +inf and -inf) has a value, and
 //   a chip's gemm, which sums each lane's real products, gives it. Lanes the CPU made NaN where the per-lane
 //   sums are not NaN are replaced by those sums.
+// - binary_cross_entropy_with_logits at a logit of -inf: the CPU's (1 - t) x + m + log(e^-m + e^(-x-m)), with
+//   m = max(-x, 0), is -inf + inf; the stable form t softplus(-x) + (1 - t) softplus(x), a zero coefficient's
+//   term left out, is inf.
 #include "dispatch.h"
+
+#include <ATen/core/Reduction.h>
 
 #include <optional>
 
@@ -114,6 +119,34 @@ void complex_matmul(const c10::OperatorHandle& op, Stack* stack) {
   out.copy_(at::view_as_complex(at::where(repair, want, got).contiguous()));
 }
 
+// t * loss with a zero coefficient's term left out (0 * inf is no term), as the stable form has it.
+at::Tensor weighted(const at::Tensor& coefficient, const at::Tensor& loss) {
+  return at::where(coefficient.eq(0), at::zeros_like(loss), coefficient * loss);
+}
+
+void bce_with_logits(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor(), t = arg(op, stack, "target").toTensor();
+  const IValue &w = arg(op, stack, "weight"), &pw = arg(op, stack, "pos_weight");
+  int64_t reduction = arg(op, stack, "reduction").toInt();
+  if (!x.is_floating_point() || !t.is_floating_point() || !non_finite(x)) return cpu(op, stack);
+  std::optional<at::Tensor> weight, pos_weight;
+  if (!w.isNone()) weight = w.toTensor();
+  if (!pw.isNone()) pos_weight = pw.toTensor();
+  at::Tensor cpu_loss = at::binary_cross_entropy_with_logits(x, t, weight, pos_weight, at::Reduction::None);
+  c10::ScalarType opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor xd = x.to(opmath), yd = t.to(opmath);
+  at::Tensor positive = pos_weight.has_value() ? yd * pos_weight->to(opmath) : yd;
+  at::Tensor stable = weighted(positive, at::softplus(-xd)) + weighted(1 - yd, at::softplus(xd));
+  if (weight.has_value()) stable = weighted(weight->to(opmath), stable);
+  at::Tensor fix = cpu_loss.isnan().logical_and_(stable.isnan().logical_not_());
+  if (!fix.any().item<bool>()) return cpu(op, stack);
+  at::Tensor loss = at::where(fix, stable.to(cpu_loss.scalar_type()), cpu_loss);
+  if (reduction == at::Reduction::Mean) loss = loss.mean();
+  if (reduction == at::Reduction::Sum) loss = loss.sum();
+  cpu(op, stack);  // (its checks and out= resizing)
+  stack->back().toTensor().copy_(loss);
+}
+
 }  // namespace
 
 void add_lane_kernels(std::map<std::string, HostKernel>& table) {
@@ -122,6 +155,9 @@ void add_lane_kernels(std::map<std::string, HostKernel>& table) {
                         "aten::baddbmm_.default", "aten::addbmm.default", "aten::addbmm.out", "aten::addbmm_.default",
                         "aten::linear.out"}) {
     table[n] = &complex_matmul;
+  }
+  for (const char* n : {"aten::binary_cross_entropy_with_logits.default", "aten::binary_cross_entropy_with_logits.out"}) {
+    table[n] = &bce_with_logits;
   }
 }
 
