@@ -234,6 +234,23 @@ def test_bce_with_logits_of_minus_inf_is_inf(reduction: str):
     assert F.binary_cross_entropy_with_logits(x, t, reduction="none")[0].isnan()  # the CPU's
 
 
+def test_lanczos_taps_at_the_sincs_zeros_weigh_nothing():
+    """Downsampling 5 -> 7 columns, output column 3's tap on input column 4 sits on a zero of the sinc: the CPU
+    weighs it sin(pi k) / (pi k), not 0, and spreads that column's inf; it is the interpolation without it."""
+    x = torch.linspace(-0.41, 0.0, 20).reshape(1, 1, 4, 5).repeat(1, 2, 1, 1)
+    x[0, 0, 0, 4], x[0, 1, 3, 4] = float("inf"), float("-inf")
+    got = torch.ops.aten._upsample_lanczos2d_aa(x.to("sim"), [6, 7], False).cpu()
+    without = x.clone()
+    without[..., 4] = 0.0
+    torch.testing.assert_close(got[..., 3], torch.ops.aten._upsample_lanczos2d_aa(without, [6, 7], False)[..., 3])
+    cpu = torch.ops.aten._upsample_lanczos2d_aa(x, [6, 7], False)
+    assert not cpu[..., 3].isfinite().all()
+    assert torch.equal(got[..., :2], cpu[..., :2])  # columns the infinities do not reach: the CPU's bits
+    out = torch.empty(0, device="sim")
+    torch.ops.aten._upsample_lanczos2d_aa.out(x.to("sim"), [6, 7], False, out=out)
+    assert torch.equal(out.cpu(), got)
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()

@@ -11,11 +11,18 @@
 // - binary_cross_entropy_with_logits at a logit of -inf: the CPU's (1 - t) x + m + log(e^-m + e^(-x-m)), with
 //   m = max(-x, 0), is -inf + inf; the stable form t softplus(-x) + (1 - t) softplus(x), a zero coefficient's
 //   term left out, is inf.
+// - _upsample_lanczos2d_aa with non-finite inputs: the CPU's sinc(k) at an integer k is sin(pi k) / (pi k), not
+//   0, so a tap that should weigh nothing spreads an inf (or makes 0 * inf NaN); the taps at the sinc's zeros
+//   weigh exactly 0 and are left out (the suite's oracle, and what makes a zero a zero).
 #include "dispatch.h"
 
 #include <ATen/core/Reduction.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
+#include <utility>
 
 namespace sim::detail {
 namespace {
@@ -147,6 +154,92 @@ void bce_with_logits(const c10::OperatorHandle& op, Stack* stack) {
   stack->back().toTensor().copy_(loss);
 }
 
+// Lanczos-3 at distance d with the sinc's zeros exact (sin(pi k) is not 0 in floating point).
+double lanczos3(double d) {
+  if (std::abs(d) >= 3) return 0.0;
+  if (d == 0) return 1.0;
+  if (d == std::trunc(d)) return 0.0;
+  constexpr double kPi = 3.14159265358979323846;  // (math.pi: the oracle's)
+  double p = kPi * d;
+  return std::sin(p) / p * std::sin(p / 3) / (p / 3);
+}
+
+// Per output index, its taps (input index, normalized weight): the CPU's antialiased geometry
+// (area_pixel_compute_scale, support 3 * scale when downsampling).
+std::vector<std::vector<std::pair<int64_t, double>>> lanczos_taps(int64_t in, int64_t out, bool align,
+                                                                  std::optional<double> factor) {
+  double scale = align ? (out > 1 ? static_cast<double>(in - 1) / static_cast<double>(out - 1) : 0.0)
+                       : (factor.has_value() && *factor > 0 ? 1.0 / *factor : static_cast<double>(in) / out);
+  double support = scale >= 1.0 ? 3.0 * scale : 3.0, inverse = scale >= 1.0 ? 1.0 / scale : 1.0;
+  std::vector<std::vector<std::pair<int64_t, double>>> taps(out);
+  for (int64_t o = 0; o < out; ++o) {
+    double center = scale * (static_cast<double>(o) + 0.5);
+    int64_t first = std::max<int64_t>(static_cast<int64_t>(center - support + 0.5), 0);
+    int64_t last = std::min<int64_t>(static_cast<int64_t>(center + support + 0.5), in);
+    double total = 0.0;
+    for (int64_t i = first; i < last; ++i) {
+      taps[o].emplace_back(i, lanczos3((static_cast<double>(i) - center + 0.5) * inverse));
+      total += taps[o].back().second;
+    }
+    if (total != 0.0) {
+      for (auto& tap : taps[o]) tap.second /= total;
+    }
+  }
+  return taps;
+}
+
+// Each output: its taps' terms x * w (w = 0 left out); NaN if a term is NaN or both infinities occur, else
+// the infinity, else the sum.
+at::Tensor lanczos_exact(const at::Tensor& x, c10::IntArrayRef size, bool align, std::optional<double> sh,
+                         std::optional<double> sw) {
+  at::Tensor in = x.to(at::kDouble).contiguous();
+  int64_t planes = in.size(0) * in.size(1), h = in.size(2), w = in.size(3);
+  auto th = lanczos_taps(h, size[0], align, sh), tw = lanczos_taps(w, size[1], align, sw);
+  at::Tensor result = at::empty({in.size(0), in.size(1), size[0], size[1]}, in.options());
+  const double* src = in.data_ptr<double>();
+  double* dst = result.data_ptr<double>();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (int64_t p = 0; p < planes; ++p) {
+    for (const auto& row : th) {
+      for (const auto& col : tw) {
+        double sum = 0.0;
+        bool nan = false, pos = false, neg = false;
+        for (const auto& [y, wy] : row) {
+          for (const auto& [xi, wx] : col) {
+            double weight = wy * wx;
+            if (weight == 0.0) continue;
+            double term = src[(p * h + y) * w + xi] * weight;
+            nan |= std::isnan(term);
+            pos |= term == kInf;
+            neg |= term == -kInf;
+            if (std::isfinite(term)) sum += term;
+          }
+        }
+        *dst++ = nan || (pos && neg) ? std::numeric_limits<double>::quiet_NaN() : pos ? kInf : neg ? -kInf : sum;
+      }
+    }
+  }
+  return result;
+}
+
+std::optional<double> optional_double(const IValue& v) {
+  return v.isNone() ? std::nullopt : std::optional<double>(v.toDouble());
+}
+
+void lanczos(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  if (!x.is_floating_point() || x.dim() != 4 || x.numel() == 0 || !non_finite(x)) return cpu(op, stack);
+  std::vector<int64_t> size = arg(op, stack, "output_size").toIntVector();
+  at::Tensor exact = lanczos_exact(x, size, arg(op, stack, "align_corners").toBool(),
+                                   optional_double(arg(op, stack, "scales_h")),
+                                   optional_double(arg(op, stack, "scales_w")));
+  cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  // only where either is non-finite: finite results keep the CPU's bits
+  at::Tensor keep = at::isfinite(out).logical_and_(at::isfinite(exact));
+  out.copy_(at::where(keep, out, exact.to(out.scalar_type())));
+}
+
 }  // namespace
 
 void add_lane_kernels(std::map<std::string, HostKernel>& table) {
@@ -159,6 +252,7 @@ void add_lane_kernels(std::map<std::string, HostKernel>& table) {
   for (const char* n : {"aten::binary_cross_entropy_with_logits.default", "aten::binary_cross_entropy_with_logits.out"}) {
     table[n] = &bce_with_logits;
   }
+  for (const char* n : {"aten::_upsample_lanczos2d_aa.default", "aten::_upsample_lanczos2d_aa.out"}) table[n] = &lanczos;
 }
 
 }  // namespace sim::detail
