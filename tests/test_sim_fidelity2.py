@@ -251,6 +251,35 @@ def test_lanczos_taps_at_the_sincs_zeros_weigh_nothing():
     assert torch.equal(out.cpu(), got)
 
 
+def test_embedding_bag_scales_each_row_by_its_own_frequency():
+    """torchcts' case: indices [1, 1, 2, 1, 2, 4] in two bags; with scale_grad_by_freq row r's gradient is over its
+    count in the batch (3, 2, 1). The CPU divides rows 2 and 4 by 3."""
+    indices, offsets = torch.tensor([1, 1, 2, 1, 2, 4]), torch.tensor([0, 3])
+    offset2bag, bag_size = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([3, 3])
+    grad = torch.tensor([[1.0, -0.5], [-0.25, 2.0]])
+    want = torch.zeros(5, 2)
+    for position, row in enumerate(indices.tolist()):
+        want[row] += grad[offset2bag[position]] / int((indices == row).sum())
+    s = {k: v.to("sim") for k, v in dict(i=indices, o=offsets, b=offset2bag, n=bag_size, g=grad,
+                                         m=torch.zeros(2, dtype=torch.long)).items()}
+    weight = torch.zeros(5, 2, device="sim", requires_grad=True)
+    torch.embedding_bag(weight, s["i"], s["o"], True, 0, False, None, False)[0].backward(s["g"])
+    results = {
+        "autograd": weight.grad,
+        "_embedding_bag_backward": torch.ops.aten._embedding_bag_backward(
+            s["g"], s["i"], s["o"], s["b"], s["n"], s["m"], 5, True, 0, False, None, -1),
+        "dense": torch.ops.aten._embedding_bag_dense_backward(s["g"], s["i"], s["b"], s["n"], s["m"], 5, True, 0,
+                                                              None, -1),
+        "dense out": torch.ops.aten._embedding_bag_dense_backward.out(
+            s["g"], s["i"], s["b"], s["n"], s["m"], 5, True, 0, None, -1, out=torch.empty(5, 2, device="sim")),
+    }
+    for name, got in results.items():
+        torch.testing.assert_close(got.cpu(), want, msg=name)
+    cpu = torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, torch.zeros(2, dtype=torch.long),
+                                                       5, True, 0, None, -1)
+    assert not torch.allclose(cpu, want)  # the CPU's
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()

@@ -14,6 +14,9 @@
 // - _upsample_lanczos2d_aa with non-finite inputs: the CPU's sinc(k) at an integer k is sin(pi k) / (pi k), not
 //   0, so a tap that should weigh nothing spreads an inf (or makes 0 * inf NaN); the taps at the sinc's zeros
 //   weigh exactly 0 and are left out (the suite's oracle, and what makes a zero a zero).
+// - _embedding_bag_backward/_embedding_bag_dense_backward with scale_grad_by_freq in sum or mean mode: the
+//   CPU divides a row's gradient by another row's count (torch 2.13: [1, 1, 2, 1, 2, 4] scales rows 2 and 4 by
+//   1/3); each row is its unscaled gradient over its own frequency in the batch.
 #include "dispatch.h"
 
 #include <ATen/core/Reduction.h>
@@ -240,6 +243,21 @@ void lanczos(const c10::OperatorHandle& op, Stack* stack) {
   out.copy_(at::where(keep, out, exact.to(out.scalar_type())));
 }
 
+void embedding_bag_backward(const c10::OperatorHandle& op, Stack* stack) {
+  IValue& scale = arg(op, stack, "scale_grad_by_freq");
+  int64_t mode = arg(op, stack, "mode").toInt();
+  bool sparse = has_argument(op, "sparse") && arg(op, stack, "sparse").toBool();
+  if (!scale.toBool() || sparse || (mode != 0 && mode != 1)) return cpu(op, stack);
+  at::Tensor indices = arg(op, stack, "indices").toTensor().reshape(-1);
+  int64_t num_weights = arg(op, stack, "num_weights").toInt(), padding_idx = arg(op, stack, "padding_idx").toInt();
+  scale = IValue(false);
+  cpu(op, stack);
+  at::Tensor out = stack->back().toTensor();
+  at::Tensor counted = padding_idx >= 0 ? indices.masked_select(indices.ne(padding_idx)) : indices;
+  at::Tensor counts = at::bincount(counted, {}, num_weights).clamp_min(1).to(out.scalar_type());
+  out.div_(counts.unsqueeze(1));
+}
+
 }  // namespace
 
 void add_lane_kernels(std::map<std::string, HostKernel>& table) {
@@ -253,6 +271,10 @@ void add_lane_kernels(std::map<std::string, HostKernel>& table) {
     table[n] = &bce_with_logits;
   }
   for (const char* n : {"aten::_upsample_lanczos2d_aa.default", "aten::_upsample_lanczos2d_aa.out"}) table[n] = &lanczos;
+  for (const char* n : {"aten::_embedding_bag_backward.default", "aten::_embedding_bag_dense_backward.default",
+                        "aten::_embedding_bag_dense_backward.out"}) {
+    table[n] = &embedding_bag_backward;
+  }
 }
 
 }  // namespace sim::detail
