@@ -280,6 +280,23 @@ def test_embedding_bag_scales_each_row_by_its_own_frequency():
     assert not torch.allclose(cpu, want)  # the CPU's
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_negation_wraps(dtype: torch.dtype):
+    """neg of a wide unsigned type (what materializes a _neg_view) is -x mod 2^bits; the CPU has no kernel."""
+    bits = torch.iinfo(dtype).bits
+    values = [0, 1, 7, 2 ** (bits - 1), 2**bits - 1]
+    x = torch.tensor([v - 2**bits if v >= 2 ** (bits - 1) and dtype == torch.uint64 else v for v in values],
+                     dtype=torch.int64).to(dtype) if dtype == torch.uint64 else torch.tensor(values, dtype=dtype)
+    want = [(-v) % 2**bits for v in values]
+    view = torch.ops.aten._neg_view(x.to("sim"))
+    assert view.is_neg()
+    for got in (view.clone(), view.resolve_neg(), view.cpu(), torch.neg(x.to("sim")), x.to("sim").neg_(),
+                torch.neg(x.to("sim"), out=torch.empty(0, dtype=dtype, device="sim"))):
+        assert got.dtype == dtype and [v % 2**bits for v in got.cpu().tolist()] == want, got
+    with pytest.raises(NotImplementedError):
+        torch.neg(x)  # the CPU's
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()

@@ -17,9 +17,13 @@
 // - _embedding_bag_backward/_embedding_bag_dense_backward with scale_grad_by_freq in sum or mean mode: the
 //   CPU divides a row's gradient by another row's count (torch 2.13: [1, 1, 2, 1, 2, 4] scales rows 2 and 4 by
 //   1/3); each row is its unscaled gradient over its own frequency in the batch.
+// - neg of uint16/uint32/uint64 (what materializes a _neg_view of one): the CPU has no kernel; -x mod 2^bits is
+//   the two's-complement negation of the signed view of the same bits; copy_ and clone of such a view
+//   negate their source so first (native_kernels.cpp's copy between devices likewise).
 #include "dispatch.h"
 
 #include <ATen/core/Reduction.h>
+#include <ATen/native/Resize.h>
 
 #include <algorithm>
 #include <cmath>
@@ -127,6 +131,11 @@ void complex_matmul(const c10::OperatorHandle& op, Stack* stack) {
   at::Tensor repair = got.isnan().logical_and_(want.isnan().logical_not_());
   if (!repair.any().item<bool>()) return;
   out.copy_(at::view_as_complex(at::where(repair, want, got).contiguous()));
+}
+
+void replace_result(const c10::OperatorHandle& op, Stack* stack, const at::Tensor& result) {
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  torch::jit::push(*stack, result);
 }
 
 // t * loss with a zero coefficient's term left out (0 * inf is no term), as the stable form has it.
@@ -258,6 +267,37 @@ void embedding_bag_backward(const c10::OperatorHandle& op, Stack* stack) {
   out.div_(counts.unsqueeze(1));
 }
 
+// copy_ and clone of a _neg_view of one (what materializes it): the CPU negates through that missing kernel; the
+// source is negated first.
+void materialize_unsigned_neg(const c10::OperatorHandle& op, Stack* stack) {
+  IValue& src = arg(op, stack, has_argument(op, "src") ? "src" : "self");
+  const at::Tensor& s = src.toTensor();
+  c10::ScalarType t = s.scalar_type();
+  if (s.is_neg() && (t == at::kUInt16 || t == at::kUInt32 || t == at::kUInt64)) {
+    c10::ScalarType signed_type = t == at::kUInt16 ? at::kShort : t == at::kUInt32 ? at::kInt : at::kLong;
+    src = IValue(at::_neg_view(s).view(signed_type).neg().view(t));  // (_neg_view flips the bit off)
+  }
+  cpu(op, stack);
+}
+
+void unsigned_neg(const c10::OperatorHandle& op, Stack* stack) {
+  at::Tensor x = arg(op, stack, "self").toTensor();
+  c10::ScalarType t = x.scalar_type();
+  if ((t != at::kUInt16 && t != at::kUInt32 && t != at::kUInt64) || x.is_neg()) return cpu(op, stack);
+  c10::ScalarType s = t == at::kUInt16 ? at::kShort : t == at::kUInt32 ? at::kInt : at::kLong;
+  at::Tensor negated = x.view(s).neg();  // (a new tensor: x is intact until it is written below)
+  if (op.schema().name() == "aten::neg_") {
+    x.view(s).copy_(negated);
+    return replace_result(op, stack, x);
+  }
+  if (!has_argument(op, "out")) return replace_result(op, stack, negated.view(t));
+  at::Tensor out = arg(op, stack, "out").toTensor();
+  if (out.scalar_type() != t) return cpu(op, stack);  // the CPU's error
+  at::native::resize_output(out, x.sizes());
+  out.view(s).copy_(negated);
+  replace_result(op, stack, out);
+}
+
 }  // namespace
 
 void add_lane_kernels(std::map<std::string, HostKernel>& table) {
@@ -275,6 +315,8 @@ void add_lane_kernels(std::map<std::string, HostKernel>& table) {
                         "aten::_embedding_bag_dense_backward.out"}) {
     table[n] = &embedding_bag_backward;
   }
+  for (const char* n : {"aten::neg.default", "aten::neg.out", "aten::neg_.default"}) table[n] = &unsigned_neg;
+  for (const char* n : {"aten::copy_.default", "aten::clone.default"}) table[n] = &materialize_unsigned_neg;
 }
 
 }  // namespace sim::detail
