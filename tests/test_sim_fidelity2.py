@@ -297,6 +297,17 @@ def test_unsigned_negation_wraps(dtype: torch.dtype):
         torch.neg(x)  # the CPU's
 
 
+def test_diff_out_is_the_cpus():
+    """The suite judges diff.out against the CPU's own result (the complex sub behind it multiplies by 1 + 0j:
+    inf next to a lane makes it NaN), while it holds sub itself to per-component lanes."""
+    x = torch.tensor([[complex(float("-inf"), -0.3), complex(float("nan"), -0.25), 1 - 0.2j],
+                      [0.1 + 2j, 0.5 + complex(0, float("inf")), 0.25 + 0.1j]], dtype=torch.complex128)
+    want = torch.diff(x, out=torch.empty(0, dtype=x.dtype))
+    got = torch.diff(x.to("sim"), out=torch.empty(0, dtype=x.dtype, device="sim")).cpu()
+    assert torch.equal(_lanes(got).isnan(), _lanes(want).isnan()), (got, want)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()

@@ -20,6 +20,9 @@
 // - neg of uint16/uint32/uint64 (what materializes a _neg_view of one): the CPU has no kernel; -x mod 2^bits is
 //   the two's-complement negation of the signed view of the same bits; copy_ and clone of such a view
 //   negate their source so first (native_kernels.cpp's copy between devices likewise).
+// - diff.out runs the CPU's composite whole: the suite holds diff.out to the CPU's own result, whose complex
+//   sub multiplies by 1 + 0j (NaN lanes next to an inf), while it holds sub itself to per-component lanes
+//   (semantics.cpp); decomposed on sim, diff.out would take sub's repair.
 #include "dispatch.h"
 
 #include <ATen/core/Reduction.h>
@@ -317,6 +320,7 @@ void add_lane_kernels(std::map<std::string, HostKernel>& table) {
   }
   for (const char* n : {"aten::neg.default", "aten::neg.out", "aten::neg_.default"}) table[n] = &unsigned_neg;
   for (const char* n : {"aten::copy_.default", "aten::clone.default"}) table[n] = &materialize_unsigned_neg;
+  table["aten::diff.out"] = &cpu;
 }
 
 }  // namespace sim::detail
