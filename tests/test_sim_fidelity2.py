@@ -353,14 +353,18 @@ def test_table_classifies_against_the_control():
     assert table["generated"] == {"failed": 1, "accelerator": 1, "declared": 1}
 
 
-# Level-2 cases that fail on sim and "pass" on the CPU only because torchcts exempts the CPU from them (the
-# test returns early, or checks only metadata, on device cpu): sim runs the CPU's kernel there. Case id
-# substring -> why (issue 49's note has the evidence).
+# Cases that fail on sim and "pass" on the CPU only because torchcts exempts the CPU from them (the test
+# returns early, or checks only metadata, on device cpu) where sim runs the CPU's kernel, or that use a
+# capability sim declares off without the suite gating them on it. Case id substring -> why (issue 49's note
+# has the evidence).
 KNOWN_SIM_ONLY = {
     "test_public_vander_decreasing_backward": "torch 2.13's vander backward fails on the CPU too "
                                               "(modified by an inplace operation)",
     "test_low_level_misc_dispatcher_helpers": "_compute_linear_combination.out accumulates into its "
                                               "uninitialized out, on the CPU too",
+    "test_direct_misc_backward_surfaces": "(level 3) builds a sparse COO tensor on the device under "
+                                          "requires('training') only: not gated on the 'sparse' capability "
+                                          "that sim's manifest declares off (scripts/cts_table.py)",
 }
 
 
