@@ -172,6 +172,142 @@ def test_incomplete_gamma_of_a_tiny_shape_keeps_eulers_constant():
     assert torch.igamma(a, x)[1].item() > 1.0  # the CPU's
 
 
+def _lanes(x: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(x.resolve_conj())
+
+
+def _lane_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with each lane its own sum of real products (a chip's complex gemm; the suite's oracle)."""
+    return torch.complex(a.real @ b.real - a.imag @ b.imag, a.real @ b.imag + a.imag @ b.real)
+
+
+def _add_lanes(x: torch.Tensor, y: torch.Tensor, k: float = 1.0) -> torch.Tensor:
+    """x + k y per component (the CPU's complex add and scale multiply by k + 0j: NaN lanes next to an inf)."""
+    return torch.complex(x.real + k * y.real, x.imag + k * y.imag)
+
+
+def test_complex_matmul_family_keeps_determinate_lanes_next_to_an_inf():
+    """The CPU's complex gemm scales its sum by alpha = 1 + 0j: (inf + NaN j) * (1 + 0j) turns the real lane NaN
+    too. A lane whose real products hold no NaN and no opposite infinities has a value (here inf)."""
+    inf = float("inf")
+    a = torch.tensor([[complex(inf, 0), 1 + 1j], [2 + 0j, 3 - 1j]], dtype=torch.complex128)
+    b = torch.tensor([[1 + 0j, 2 + 0j], [1 + 0j, 1j]], dtype=torch.complex128)
+    c = torch.tensor([[1 + 2j, -1j], [0.5 + 0j, 2 + 0j]], dtype=torch.complex128)
+    product = _lane_product(a, b)
+    s = {k: v.to("sim") for k, v in {"a": a, "b": b, "c": c}.items()}
+    cases = {
+        "mm": (torch.mm(s["a"], s["b"]), product),
+        "mm out": (torch.mm(s["a"], s["b"], out=torch.empty(2, 2, dtype=a.dtype, device="sim")), product),
+        "bmm": (torch.bmm(s["a"][None], s["b"][None])[0], product),
+        "addmm": (torch.addmm(s["c"], s["a"], s["b"], beta=2, alpha=1), _add_lanes(2 * c, product)),
+        "baddbmm_": (s["c"][None].clone().baddbmm_(s["a"][None], s["b"][None])[0], _add_lanes(c, product)),
+        "addbmm": (torch.addbmm(s["c"], s["a"][None].expand(2, 2, 2), s["b"][None].expand(2, 2, 2)),
+                   _add_lanes(c, product, 2.0)),
+        "linear out": (torch.ops.aten.linear.out(s["a"], s["b"].t(), s["c"][0],
+                                                 out=torch.empty(2, 2, dtype=a.dtype, device="sim")),
+                       _add_lanes(product, c[0].expand(2, 2))),
+    }
+    for name, (got, want) in cases.items():
+        got, want = _lanes(got.cpu()), _lanes(want)
+        assert torch.equal(got.isnan(), want.isnan()), (name, got, want)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=name)
+    assert torch.mm(a, b)[0].isnan().all()  # the CPU's: both lanes of row 0 NaN; its real lanes are inf
+    finite = torch.randn(3, 4, dtype=torch.complex64), torch.randn(4, 2, dtype=torch.complex64)
+    assert torch.equal(torch.mm(*(t.to("sim") for t in finite)).cpu(), torch.mm(*finite))  # the CPU's bits
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_bce_with_logits_of_minus_inf_is_inf(reduction: str):
+    """The CPU's (1 - t) x + m + log(e^-m + e^(-x-m)) at x = -inf is -inf + inf; t softplus(-x) + (1 - t)
+    softplus(x) is inf."""
+    x = torch.tensor([float("-inf"), 2.0, -1.5, float("inf")])
+    t = torch.tensor([0.25, 0.5, 1.0, 0.0])
+    want = torch.tensor([float("inf"), 0.0, 0.0, float("inf")])
+    want[1:3] = F.binary_cross_entropy_with_logits(x[1:3], t[1:3], reduction="none")
+    want = {"none": want, "mean": want.mean(), "sum": want.sum()}[reduction]
+    got = F.binary_cross_entropy_with_logits(x.to("sim"), t.to("sim"), reduction=reduction).cpu()
+    assert torch.equal(got, want), (got, want)
+    out = torch.ops.aten.binary_cross_entropy_with_logits.out(
+        x.to("sim"), t.to("sim"), reduction={"none": 0, "mean": 1, "sum": 2}[reduction],
+        out=torch.empty(0, device="sim"))
+    assert torch.equal(out.cpu(), want)
+    assert F.binary_cross_entropy_with_logits(x, t, reduction="none")[0].isnan()  # the CPU's
+
+
+def test_lanczos_taps_at_the_sincs_zeros_weigh_nothing():
+    """Downsampling 5 -> 7 columns, output column 3's tap on input column 4 sits on a zero of the sinc: the CPU
+    weighs it sin(pi k) / (pi k), not 0, and spreads that column's inf; it is the interpolation without it."""
+    x = torch.linspace(-0.41, 0.0, 20).reshape(1, 1, 4, 5).repeat(1, 2, 1, 1)
+    x[0, 0, 0, 4], x[0, 1, 3, 4] = float("inf"), float("-inf")
+    got = torch.ops.aten._upsample_lanczos2d_aa(x.to("sim"), [6, 7], False).cpu()
+    without = x.clone()
+    without[..., 4] = 0.0
+    torch.testing.assert_close(got[..., 3], torch.ops.aten._upsample_lanczos2d_aa(without, [6, 7], False)[..., 3])
+    cpu = torch.ops.aten._upsample_lanczos2d_aa(x, [6, 7], False)
+    assert not cpu[..., 3].isfinite().all()
+    assert torch.equal(got[..., :2], cpu[..., :2])  # columns the infinities do not reach: the CPU's bits
+    out = torch.empty(0, device="sim")
+    torch.ops.aten._upsample_lanczos2d_aa.out(x.to("sim"), [6, 7], False, out=out)
+    assert torch.equal(out.cpu(), got)
+
+
+def test_embedding_bag_scales_each_row_by_its_own_frequency():
+    """torchcts' case: indices [1, 1, 2, 1, 2, 4] in two bags; with scale_grad_by_freq row r's gradient is over its
+    count in the batch (3, 2, 1). The CPU divides rows 2 and 4 by 3."""
+    indices, offsets = torch.tensor([1, 1, 2, 1, 2, 4]), torch.tensor([0, 3])
+    offset2bag, bag_size = torch.tensor([0, 0, 0, 1, 1, 1]), torch.tensor([3, 3])
+    grad = torch.tensor([[1.0, -0.5], [-0.25, 2.0]])
+    want = torch.zeros(5, 2)
+    for position, row in enumerate(indices.tolist()):
+        want[row] += grad[offset2bag[position]] / int((indices == row).sum())
+    s = {k: v.to("sim") for k, v in dict(i=indices, o=offsets, b=offset2bag, n=bag_size, g=grad,
+                                         m=torch.zeros(2, dtype=torch.long)).items()}
+    weight = torch.zeros(5, 2, device="sim", requires_grad=True)
+    torch.embedding_bag(weight, s["i"], s["o"], True, 0, False, None, False)[0].backward(s["g"])
+    results = {
+        "autograd": weight.grad,
+        "_embedding_bag_backward": torch.ops.aten._embedding_bag_backward(
+            s["g"], s["i"], s["o"], s["b"], s["n"], s["m"], 5, True, 0, False, None, -1),
+        "dense": torch.ops.aten._embedding_bag_dense_backward(s["g"], s["i"], s["b"], s["n"], s["m"], 5, True, 0,
+                                                              None, -1),
+        "dense out": torch.ops.aten._embedding_bag_dense_backward.out(
+            s["g"], s["i"], s["b"], s["n"], s["m"], 5, True, 0, None, -1, out=torch.empty(5, 2, device="sim")),
+    }
+    for name, got in results.items():
+        torch.testing.assert_close(got.cpu(), want, msg=name)
+    cpu = torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, torch.zeros(2, dtype=torch.long),
+                                                       5, True, 0, None, -1)
+    assert not torch.allclose(cpu, want)  # the CPU's
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_negation_wraps(dtype: torch.dtype):
+    """neg of a wide unsigned type (what materializes a _neg_view) is -x mod 2^bits; the CPU has no kernel."""
+    bits = torch.iinfo(dtype).bits
+    values = [0, 1, 7, 2 ** (bits - 1), 2**bits - 1]
+    x = torch.tensor([v - 2**bits if v >= 2 ** (bits - 1) and dtype == torch.uint64 else v for v in values],
+                     dtype=torch.int64).to(dtype) if dtype == torch.uint64 else torch.tensor(values, dtype=dtype)
+    want = [(-v) % 2**bits for v in values]
+    view = torch.ops.aten._neg_view(x.to("sim"))
+    assert view.is_neg()
+    for got in (view.clone(), view.resolve_neg(), view.cpu(), torch.neg(x.to("sim")), x.to("sim").neg_(),
+                torch.neg(x.to("sim"), out=torch.empty(0, dtype=dtype, device="sim"))):
+        assert got.dtype == dtype and [v % 2**bits for v in got.cpu().tolist()] == want, got
+    with pytest.raises(NotImplementedError):
+        torch.neg(x)  # the CPU's
+
+
+def test_diff_out_is_the_cpus():
+    """The suite judges diff.out against the CPU's own result (the complex sub behind it multiplies by 1 + 0j:
+    inf next to a lane makes it NaN), while it holds sub itself to per-component lanes."""
+    x = torch.tensor([[complex(float("-inf"), -0.3), complex(float("nan"), -0.25), 1 - 0.2j],
+                      [0.1 + 2j, 0.5 + complex(0, float("inf")), 0.25 + 0.1j]], dtype=torch.complex128)
+    want = torch.diff(x, out=torch.empty(0, dtype=x.dtype))
+    got = torch.diff(x.to("sim"), out=torch.empty(0, dtype=x.dtype, device="sim")).cpu()
+    assert torch.equal(_lanes(got).isnan(), _lanes(want).isnan()), (got, want)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+
+
 def test_stream_of_the_unindexed_device_is_the_current_devices():
     s = torch.Stream(device="sim")  # torchcts' create_stream: an index of -1 reached sim's per-device table
     assert s.device_index == torch.sim.current_device()
@@ -217,14 +353,18 @@ def test_table_classifies_against_the_control():
     assert table["generated"] == {"failed": 1, "accelerator": 1, "declared": 1}
 
 
-# Level-2 cases that fail on sim and "pass" on the CPU only because torchcts exempts the CPU from them (the
-# test returns early, or checks only metadata, on device cpu): sim runs the CPU's kernel there. Case id
-# substring -> why (issue 49's note has the evidence).
+# Cases that fail on sim and "pass" on the CPU only because torchcts exempts the CPU from them (the test
+# returns early, or checks only metadata, on device cpu) where sim runs the CPU's kernel, or that use a
+# capability sim declares off without the suite gating them on it. Case id substring -> why (issue 49's note
+# has the evidence).
 KNOWN_SIM_ONLY = {
     "test_public_vander_decreasing_backward": "torch 2.13's vander backward fails on the CPU too "
                                               "(modified by an inplace operation)",
     "test_low_level_misc_dispatcher_helpers": "_compute_linear_combination.out accumulates into its "
                                               "uninitialized out, on the CPU too",
+    "test_direct_misc_backward_surfaces": "(level 3) builds a sparse COO tensor on the device under "
+                                          "requires('training') only: not gated on the 'sparse' capability "
+                                          "that sim's manifest declares off (scripts/cts_table.py)",
 }
 
 

@@ -66,6 +66,7 @@ struct OpInfo {
 const std::map<std::string, HostKernel>& host_kernels();
 void add_semantic_kernels(std::map<std::string, HostKernel>& table);
 void add_accelerator_kernels(std::map<std::string, HostKernel>& table);
+void add_lane_kernels(std::map<std::string, HostKernel>& table);  // semantics_lanes.cpp
 
 OpInfo& info_of(const c10::OperatorHandle& op);
 

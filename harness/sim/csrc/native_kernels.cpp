@@ -52,13 +52,23 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::op
 
 at::Tensor host_or_self(const at::Tensor& t) { return is_sim(t) ? alias_of(t) : t; }
 
+// A negative view of a wide unsigned tensor (_neg_view) materializes as -x mod 2^bits, the two's-complement
+// negation of its signed view: the CPU's copy_ negates through its neg kernel, which has no uint16/32/64 (sim's
+// neg is semantics_lanes.cpp's).
+at::Tensor without_neg_bit(const at::Tensor& src) {
+  c10::ScalarType t = src.scalar_type();
+  if (!src.is_neg() || (t != at::kUInt16 && t != at::kUInt32 && t != at::kUInt64)) return src;
+  c10::ScalarType s = t == at::kUInt16 ? at::kShort : t == at::kUInt32 ? at::kInt : at::kLong;
+  return at::_neg_view(src).view(s).neg().view(t);  // (_neg_view flips the bit off)
+}
+
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   if (is_sim(dst)) drop_rounded(dst.storage().unsafeGetStorageImpl());
   at::Tensor d = host_or_self(dst);
   int dev = is_sim(dst) ? dst.device().index() : self.device().index();
   claim(dev);
   Turn turn(dev);  // a copy to or from a shared device takes its turn like a kernel
-  d.copy_(host_or_self(self), non_blocking);
+  d.copy_(without_neg_bit(host_or_self(self)), non_blocking);
   return dst;
 }
 

@@ -136,6 +136,7 @@ const std::map<std::string, HostKernel>& host_kernels() {
   static const auto* table = [] {
     auto* t = new std::map<std::string, HostKernel>();
     add_semantic_kernels(*t);
+    add_lane_kernels(*t);
     add_accelerator_kernels(*t);
     return t;
   }();
