@@ -133,8 +133,8 @@ class Fleet:
     flaky_on: dict[str, list[Job]] = field(default_factory=dict)  # device -> jobs marked flaky because of it
     faults_seen: int = 0
     blamed: dict[str, str] = field(default_factory=dict)  # group slot -> its device the last rank at fault ran on
-    devices: list[str] = field(default_factory=list)  # every device of the run, in order (a stage re-plans from them)
-    gone: list[str] = field(default_factory=list)  # devices the quarantines took out (`slots.out_of_service`)
+    devices: list[str] = field(default_factory=list)  # the run's devices, in order; a stage plans from those not
+    gone: list[str] = field(default_factory=list)  # ... that quarantines took out (`slots.out_of_service`)
 
     def count(self, device: str) -> int:
         """Strikes against `device`: lasting ones plus its streak."""
@@ -285,8 +285,7 @@ def quarantine(fleet: Fleet, device: str, canary_died: bool = False, why: str = 
     spare, member = replacement(device, fleet.blamed.pop(device, ""), fleet.spares, fleet.spares_used)
     if spare is not None:
         fleet.active.append(spare)
-    if member:
-        why = f"{why}; at fault: {member}" if why else f"at fault: {member}"
+    why = "; ".join(part for part in (why, member and f"at fault: {member}") if part)
     fleet.gone.extend(d for d in out_of_service(device, member) if d not in fleet.gone)
     return Quarantined(device, spare, fleet.flaky_on.pop(device, []), fleet.died_here.pop(device, []), why, member)
 

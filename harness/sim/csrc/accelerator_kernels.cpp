@@ -21,13 +21,6 @@ namespace {
 using c10::IValue;
 using torch::jit::Stack;
 
-IValue& arg(const c10::OperatorHandle& op, Stack* stack, const char* name) {
-  const c10::FunctionSchema& s = op.schema();
-  auto i = s.argumentIndexWithName(name);
-  TORCH_INTERNAL_ASSERT(i.has_value(), "sim: ", s.name(), " has no argument ", name);
-  return (*stack)[stack->size() - s.arguments().size() + *i];
-}
-
 at::Tensor tensor(const c10::OperatorHandle& op, Stack* stack, const char* name) {
   IValue& v = arg(op, stack, name);
   return v.isNone() ? at::Tensor() : v.toTensor();

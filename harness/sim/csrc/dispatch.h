@@ -111,6 +111,14 @@ c10::Allocator* pinned_allocator();
 bool is_pinned(const void* data);
 void register_hooks();
 
+// ---- a boxed kernel's argument by name, where the dispatcher left it on the stack ----------------------
+inline c10::IValue& arg(const c10::OperatorHandle& op, torch::jit::Stack* stack, const char* name) {
+  const c10::FunctionSchema& s = op.schema();
+  auto i = s.argumentIndexWithName(name);
+  TORCH_INTERNAL_ASSERT(i.has_value(), "sim: ", s.name(), " has no argument ", name);
+  return (*stack)[stack->size() - s.arguments().size() + *i];
+}
+
 // ---- kernels (kernel.cpp, native_kernels.cpp) -------------------------------------------------------
 void sim_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // The kernels that must not go through the CPU; returns the op names it registered.

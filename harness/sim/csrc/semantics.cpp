@@ -57,13 +57,6 @@ using torch::jit::Stack;
 
 const c10::DispatchKeySet kCpu(c10::DispatchKey::CPU);
 
-IValue& arg(const c10::OperatorHandle& op, Stack* stack, const char* name) {
-  const c10::FunctionSchema& s = op.schema();
-  auto i = s.argumentIndexWithName(name);
-  TORCH_INTERNAL_ASSERT(i.has_value(), "sim: ", s.name(), " has no argument ", name);
-  return (*stack)[stack->size() - s.arguments().size() + *i];
-}
-
 void cpu(const c10::OperatorHandle& op, Stack* stack) { op.redispatchBoxed(kCpu, stack); }
 
 void logit_backward(const c10::OperatorHandle& op, Stack* stack) {

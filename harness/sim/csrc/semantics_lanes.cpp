@@ -42,13 +42,6 @@ using torch::jit::Stack;
 
 const c10::DispatchKeySet kCpu(c10::DispatchKey::CPU);
 
-IValue& arg(const c10::OperatorHandle& op, Stack* stack, const char* name) {
-  const c10::FunctionSchema& s = op.schema();
-  auto i = s.argumentIndexWithName(name);
-  TORCH_INTERNAL_ASSERT(i.has_value(), "sim: ", s.name(), " has no argument ", name);
-  return (*stack)[stack->size() - s.arguments().size() + *i];
-}
-
 bool has_argument(const c10::OperatorHandle& op, const char* name) {
   return op.schema().argumentIndexWithName(name).has_value();
 }
