@@ -33,6 +33,28 @@ BAD = [("dp:2", "not KIND:N"), ("fsdp:1", "at least 2"), ("fsdp:2,fsdp:2", "at m
        ("fsdp:2,tp:2,ddp:2", "2-D spec"), ("", "at most once"), ("tp:x", "not KIND:N")]
 
 
+# Ray's words for an actor whose process ended, as Ray 2.60 gives them for os._exit(3), SIGKILL and SIGSEGV alike
+RAY_DIED = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+            "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes "
+            "include: (1) the process was killed by the OOM killer due to high memory usage, (2) ray stop --force "
+            "was called, or (3) the worker crashed unexpectedly due to SIGSEGV or another unexpected error.")
+SEGV_REPORT = "Fatal Python error: Segmentation fault\n\nThread 0x00007f (most recent call first):\n  File ..."
+RANK_DEATHS = [  # (the rank's log, Ray's words, killed by the worker) -> returncode as a child's would read
+    (SEGV_REPORT, RAY_DIED, False, -11), ("Fatal Python error: Aborted\n", RAY_DIED, False, -6),
+    ("", RAY_DIED, False, 1),  # nothing says how: a death, never a guess at the OOM killer (SIGKILL reads as oom)
+    ("", RAY_DIED, True, -9),  # stopped by the worker, as a child is killed
+    ("", "Task was killed due to the node running low on memory. Memory on the node ...", False, -9),
+    (SEGV_REPORT, RAY_DIED, True, -11),  # its own death came first
+]
+
+
+@pytest.mark.parametrize("report,said,killed,code", RANK_DEATHS)
+def test_a_ray_rank_actors_death_reads_as_a_childs_returncode(report: str, said: str, killed: bool, code: int) -> None:
+    from harness.fleet.rayranks import death_code
+
+    assert death_code(report, said, killed) == code
+
+
 @pytest.mark.parametrize("text,world,kinds,names", SPECS)
 def test_a_spec_reads_as_its_mesh(text: str, world: int, kinds: tuple, names: tuple) -> None:
     spec = parse(text)

@@ -114,7 +114,7 @@ class DeviceActor:
     """One device of one node: a worker process that Ray placed, serving models until it is killed."""
 
     def __init__(self, device: str, host: str, threads: int, mem_cap_mb: int | None, env: dict[str, str],
-                 backends: list[str]) -> None:
+                 backends: list[str], group: Any = None, resource: str = "") -> None:
         os.environ.update(env)  # the run's backend switches; the node's own environment stays
         # torch is imported with backend autoload off, and the backend loaded in `setup`, after the
         # environment is set: as in a local worker
@@ -137,12 +137,17 @@ class DeviceActor:
         self._fatal = open(fatal_path, "w")  # open for the actor's life: faulthandler writes here
         faulthandler.enable(file=self._fatal)
         worker.setup(device, threads, backends)
-        for member in device.split("+"):  # a --parallel group's actor holds its group's devices
+        for member in device.split("+"):  # a --parallel group's devices, each its rank's
             adapter_for(member).devices(member)  # a device this node does not have: a clear error, now
         cap_address_space(mem_cap_mb)
         self.device = device
         self.host = host
         self._run_task = worker.run_task
+        self._start = None  # a --parallel group's: its ranks as actors in the group's placement group
+        if group is not None:
+            from harness.fleet.rayranks import RayStarter
+
+            self._start = RayStarter(group, resource, env)
 
     def hello(self) -> dict[str, Any]:
         import ray
@@ -165,7 +170,7 @@ class DeviceActor:
             os.pwrite(self._phase_fd, line.encode()[:_WIDTH].ljust(_WIDTH), 0)  # survives a crash right after
 
         try:
-            m = self._run_task(payload, self.device, phase, host=self.host)
+            m = self._run_task(payload, self.device, phase, host=self.host, start=self._start)
             while os.fstat(self._fatal.fileno()).st_size:  # a fatal signal is being handled: this process
                 time.sleep(1)  # is going, and its death, not this result, is the model's last word
         finally:

@@ -42,15 +42,15 @@ class Slot:
     resource: str  # the Ray resource it is
     assigned: bool  # Ray picks the chip (its own accelerator resources); the actor then sees `<type>:0`
     threads: int  # torch threads for its actor: the node's CPUs shared among its devices
-    count: int = 1  # devices it holds: a --parallel group's actor holds its group's (its ranks' processes)
+    count: int = 1  # devices it is: a --parallel group's, a placement group of one bundle each (`rayranks`)
 
 
 SLOTS: dict[str, Slot] = {}  # the cluster's slots as last seen (`devices`), and the groups made of them (`slot`)
 
 
 def slot(key: str) -> Slot:
-    """The slot of a fleet key: one device's, or a --parallel group's (`<node>/sim:0+<node>/sim:1`: one actor on
-    that node holding all of them, whose worker starts the ranks there)."""
+    """The slot of a fleet key: one device's, or a --parallel group's (`<node>/sim:0+<node>/sim:1`: a placement
+    group of its devices on that node, whose worker's ranks are actors of their own there, `rayranks`)."""
     if key not in SLOTS:
         parts = [SLOTS[k] for k in key.split("+")]
         if len({p.node_id for p in parts}) != 1:

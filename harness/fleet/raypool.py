@@ -5,7 +5,9 @@ phase), so `runner._Run` and `policy` are one implementation for both executors.
 node is a *slot*, named `<node>/<device>` (`gpu-host-3/cuda:5`, `10.0.0.7/sim:1`): strikes and
 quarantine are per node and device. An actor asks Ray for its device as a resource (`GPU` for cuda,
 a custom `sim` resource for sim: `Adapter.ray_resource`) on its slot's node, loads the backend once
-and runs models through the worker's own code (`rayactor.py`).
+and runs models through the worker's own code (`rayactor.py`). A --parallel group's slot is a placement
+group of one bundle per device on one node; its actor sits in the first bundle holding no device, and each
+run's ranks are actors of their own, one per bundle (`rayranks.py`).
 
 Events: ready, result, died (the actor process died under a model: the signal and phase come from
 its node, `rayactor.autopsy`), timeout and startup (deadlines as `Pool`'s, read from the actor's node
@@ -30,13 +32,10 @@ from harness.backends import device_type
 from harness.fleet.budgets import Budgets, JobClock
 from harness.fleet.pool import Event, ExecutorError
 from harness.fleet.raycluster import SLOTS, Slot, slot
+from harness.fleet.rayranks import fatal_signal
 
 PEEK_TIMEOUT_S = 30.0
 AUTOPSY_TIMEOUT_S = 60.0
-# faulthandler's words for the fatal signals it reports
-_FATAL = {"Segmentation fault": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus error": signal.SIGBUS,
-          "Floating-point exception": signal.SIGFPE, "Floating point exception": signal.SIGFPE,
-          "Illegal instruction": signal.SIGILL}
 
 
 class RayWorker:
@@ -53,12 +52,24 @@ class RayWorker:
         self.device = slot.device
         opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
                                 "scheduling_strategy": NodeAffinitySchedulingStrategy(slot.node_id, soft=False)}
-        if slot.resource == "GPU":
-            opts["num_gpus"] = slot.count
+        group: dict[str, Any] = {}
+        self.group: Any = None  # a --parallel group's placement group: one bundle per device (`rayranks`)
+        if slot.count > 1:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            from harness.fleet.rayranks import placement
+
+            self.group = placement(slot.resource, slot.count, slot.node_id)
+            # the worker sits in bundle 0 holding no device: each rank's actor holds its own
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False)
+            group = {"group": self.group, "resource": slot.resource}
+        elif slot.resource == "GPU":
+            opts["num_gpus"] = 1
         else:
-            opts["resources"] = {slot.resource: slot.count}
+            opts["resources"] = {slot.resource: 1}
         local = f"{device_type(slot.device)}:0" if slot.assigned else slot.device
-        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args)
+        self.actor = actor_cls.options(**opts).remote(local, slot.host, slot.threads, *args, **group)
         self.first_check_s = first_check_s  # the shortest budget a job can have
         self.hello: Any = self.actor.hello.remote()
         self.born = time.monotonic()
@@ -92,6 +103,11 @@ class RayWorker:
         self.killed_for = reason
         self.signal = signal.SIGKILL  # `ray.kill` ends the process at once, as a local worker is killed
         ray.kill(self.actor, no_restart=True)
+        if self.group is not None:  # its devices back to the node, and any rank actor still there ended
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+            self.group = None
 
     def stop(self) -> None:
         """Let it clean up after itself, then end it."""
@@ -282,7 +298,7 @@ class RayPool:
                 w.fatal = self._autopsy(w)
             except Exception:  # the node went while we asked
                 return Event("lost", w) if not self._node_alive(w) else Event("died", w)
-            w.signal = next((s for words, s in _FATAL.items() if f"Fatal Python error: {words}" in w.fatal), None)
+            w.signal = fatal_signal(w.fatal)
         return Event("died", w)
 
     def _autopsy(self, w: RayWorker) -> str:

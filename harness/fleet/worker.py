@@ -42,9 +42,10 @@ WORKER_IMPORTS = ("transformers.modeling_utils", "harness.run.pipeline")
 
 
 def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | None = None,
-             host: str = "") -> Measurement:
+             host: str = "", start: Any = None) -> Measurement:
     """One model on this worker's device (on `host`: default this machine's name); a harness bug
-    becomes a crash row, never a dead worker."""
+    becomes a crash row, never a dead worker. `start`: how a --parallel group's ranks start
+    (`harness.parallel.launch.Starter`; None: as this worker's children)."""
     task = Task(**payload)
     task.target = device
     model_id = task.entry["id"]
@@ -60,7 +61,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | 
             quiet.enter(name)
 
     try:
-        m = _dispatch(task, on_phase)
+        m = _dispatch(task, on_phase, start)
     except BaseException as e:  # a bug in the harness itself, or no memory left for it: a row, keep serving
         fields = classify_exception(e, adapter_for(device), stage=current[0])  # a device fault is still the device's
         m = Measurement(model_id=model_id, device=device, **{
@@ -75,7 +76,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | 
     return m
 
 
-def _dispatch(task: Task, on_phase: Callable[[str], None]) -> Measurement:
+def _dispatch(task: Task, on_phase: Callable[[str], None], start: Any = None) -> Measurement:
     """The job by its kind: a model's run, a model's harvest, or one op variation (`Task.kind`)."""
     if task.kind == "variation":
         from harness.ops.variation import run_variation
@@ -93,7 +94,7 @@ def _dispatch(task: Task, on_phase: Callable[[str], None]) -> Measurement:
         from harness.parallel.launch import for_task
 
         parallel = for_task(task.settings, task.target, task.backends, deadline_s=0.8 * task.timeout_s, env={},
-                            collectives=task.collectives)
+                            collectives=task.collectives, **({"start": start} if start is not None else {}))
         try:
             return run_one(task, on_phase, parallel=parallel)
         finally:

@@ -4,8 +4,7 @@
 harvest's recorder is: the pipeline computes the reference side as for one device, then asks it for the target
 side of each variant it runs (the step as the settings name it, its confirmation at full precision). It
 saves the model and the inputs once per model, writes each run's job, starts the ranks (`rank.py`) on the
-group's devices with the run's environment, each killed with the worker should the worker die (the kernel's
-parent-death signal), and waits:
+group's devices with the run's environment, and waits:
 
 - every rank done: their outputs, the rank furthest from the CPU reference's kept as the target's (replicated
   data: every rank's outputs should be one device's; a rank whose own outputs differ is named, the drift
@@ -16,6 +15,10 @@ parent-death signal), and waits:
   ``crash``), named with its rank, device and phase; the other ranks are stopped, never left waiting;
 - a rank hangs: its peers fail at the collective timeout, or the job's deadline passes: the ranks still
   running are named with the phase they were in, and every rank is stopped (``timeout``).
+
+How a rank's process starts is the executor's (`Starter`): by default a child process of the worker, killed
+with it should the worker die (the kernel's parent-death signal); on Ray, an actor of its own in the group's
+placement group, one bundle per device (`harness.fleet.rayranks`). The supervision above is the same for both.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,17 +53,46 @@ def _die_with_parent() -> None:  # in the rank, before exec: SIGKILL when the wo
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
 
 
+class RankProcess(Protocol):
+    """A started rank as the worker supervises it: `subprocess.Popen`'s part of it (a signal's death is a
+    negative `returncode`). Optional: `where` it runs (merged into the row's per-rank record) and `why` it died
+    where its returncode cannot say."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int | None: ...
+
+
+# (job directory, rank, the rank's environment variables) -> its started process
+Starter = Callable[[Path, int, dict[str, str]], RankProcess]
+
+
+def start_local(job_dir: Path, rank: int, env: dict[str, str]) -> subprocess.Popen:
+    """A rank as the worker's child, logging to its job directory, killed should the worker die."""
+    with open(job_dir / f"rank{rank}.log", "w") as log:  # the child holds its own copy
+        return subprocess.Popen([sys.executable, "-m", "harness.parallel.rank", str(job_dir)],
+                                env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=_die_with_parent)
+
+
 class Parallel:
-    """One model's parallel target side, on the group `devices` (one rank each)."""
+    """One model's parallel target side, on the group `devices` (one rank each), started by `start`."""
 
     def __init__(self, spec: str, devices: list[str], *, backends: list[str], dist_backend: str,
-                 deadline_s: float, env: dict[str, str] | None = None, collectives: list[str] | None = None) -> None:
+                 deadline_s: float, env: dict[str, str] | None = None, collectives: list[str] | None = None,
+                 start: Starter = start_local) -> None:
         self.spec: ParallelSpec = parse(spec)
         self.devices = list(devices)
         if len(self.devices) != self.spec.world:
             raise ValueError(f"--parallel {spec}: {self.spec.world} ranks, {len(self.devices)} device(s) given")
         self.backends, self.dist_backend, self.deadline_s = list(backends), dist_backend, deadline_s
         self.env = dict(env or {})
+        self.start = start
+        self.procs: list[RankProcess] = []
         self.dir = Path(tempfile.mkdtemp(prefix="portharness-parallel-"))
         self.saved = False
         self.runs = 0
@@ -83,8 +116,9 @@ class Parallel:
 
     def fields(self) -> dict[str, Any]:
         """The row's `parallel`: the spec, the mesh, each rank's device, phase and times."""
+        ranks = [{**r, **getattr(p, "where", {})} for r, p in zip(self.ranks, self.procs, strict=False)]
         return {"spec": str(self.spec), "mesh": dict(zip(self.spec.mesh_names, self.spec.mesh_shape, strict=True)),
-                "ranks": self.ranks, **({"note": self.note} if self.note else {}),
+                "ranks": ranks or self.ranks, **({"note": self.note} if self.note else {}),
                 **({"culprit": self.culprit} if self.culprit else {})}
 
     # -- one run of the step ------------------------------------------------------------------------
@@ -145,19 +179,16 @@ class Parallel:
                             for k in range(len(procs))]
         return judged
 
-    def _start(self, job_dir: Path) -> list[subprocess.Popen]:
-        procs = []
+    def _start(self, job_dir: Path) -> list[RankProcess]:
+        self.procs = []
         self.culprit, self.note, self.ranks = {}, "", []  # this run's (a row keeps the last run's `fields()`)
         for rank, device in enumerate(self.devices):
             index = device.partition(":")[2] or "0"
-            env = {**os.environ, **self.env, "RANK": str(rank), "WORLD_SIZE": str(self.spec.world),
-                   "LOCAL_RANK": index, "LOCAL_WORLD_SIZE": str(self.spec.world), "MASTER_ADDR": "127.0.0.1"}
-            log = open(job_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - the child holds it
-            procs.append(subprocess.Popen([sys.executable, "-m", "harness.parallel.rank", str(job_dir)], env=env,
-                                          stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
-            log.close()
+            env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.spec.world), "LOCAL_RANK": index,
+                   "LOCAL_WORLD_SIZE": str(self.spec.world), "MASTER_ADDR": "127.0.0.1"}
             self.ranks.append({"rank": rank, "device": device})
-        return procs
+            self.procs.append(self.start(job_dir, rank, env))
+        return self.procs
 
     def _status(self, job_dir: Path, rank: int) -> str:
         try:
@@ -165,7 +196,7 @@ class Parallel:
         except OSError:
             return "start"
 
-    def _wait(self, job_dir: Path, procs: list[subprocess.Popen]) -> None:
+    def _wait(self, job_dir: Path, procs: list[RankProcess]) -> None:
         t0 = time.monotonic()
         first: int | None = None
         while True:
@@ -194,7 +225,7 @@ class Parallel:
             except (OSError, ValueError):
                 pass
 
-    def _failure(self, job_dir: Path, procs: list[subprocess.Popen], first: int) -> RowDraft:
+    def _failure(self, job_dir: Path, procs: list[RankProcess], first: int) -> RowDraft:
         """The row's fields for a group whose rank `first` failed first (a rank still running then hung)."""
         for r in range(len(procs)):
             self.ranks[r]["phase"] = self._status(job_dir, r)
@@ -209,7 +240,7 @@ class Parallel:
                 self._blame(first, job_dir, "fault")
             return RowDraft(err, error_message=f"{where}: {err.get('error_message', '')}"[:2000])
         sig = -code if code is not None and code < 0 else None
-        name = signal.Signals(sig).name if sig else f"exit code {code}"
+        name = signal.Signals(sig).name if sig else getattr(procs[first], "why", "") or f"exit code {code}"
         outcome = verdict.death(verdict.DeathEvidence(self._status(job_dir, first), None, sig))
         self._blame(first, job_dir, "death")
         return RowDraft(outcome=outcome, error_type="RankDied", signal=sig,
@@ -289,8 +320,9 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def for_task(settings: dict[str, Any], target: str, backends: list[str], deadline_s: float,
-             env: dict[str, str], collectives: list[str] | None = None) -> Parallel | None:
-    """The strategy for a task whose settings name a parallel spec (None: one device)."""
+             env: dict[str, str], collectives: list[str] | None = None, start: Starter = start_local) -> Parallel | None:
+    """The strategy for a task whose settings name a parallel spec (None: one device), its ranks started by
+    `start` (the executor's)."""
     spec = settings.get("parallel")
     if not spec:
         return None
@@ -298,6 +330,6 @@ def for_task(settings: dict[str, Any], target: str, backends: list[str], deadlin
 
     return Parallel(spec, members(target), backends=backends,
                     dist_backend=settings.get("dist_backend") or adapter_for(target).dist_backend(),
-                    deadline_s=deadline_s, env=env, collectives=collectives)
+                    deadline_s=deadline_s, env=env, collectives=collectives, start=start)
 
 
