@@ -55,6 +55,33 @@ def test_a_ray_rank_actors_death_reads_as_a_childs_returncode(report: str, said:
     assert death_code(report, said, killed) == code
 
 
+def _outs(loss: float, grad: float) -> dict:
+    import torch
+
+    return {"loss": torch.tensor(loss), "grad/w": torch.full((4,), grad)}
+
+
+JUDGED = [  # (each rank's outputs, the rank judged, the note says)
+    ([_outs(1.0, 2.0), _outs(1.0, 2.0)], 0, "every rank's outputs agree"),
+    # FSDP: rank 1's own loss is off, the reduced gradient is off the same on both (the tie goes by the loss)
+    ([_outs(1.0, 2.5), _outs(1.2, 2.5)], 1, "judged: rank 1 (sim:1), the furthest from the CPU reference on what differs (loss)"),
+    ([_outs(1.3, 2.0), _outs(1.0, 2.0)], 0, "ranks' outputs differ (rank 0, rank 1): the drift is before the collectives"),
+]
+
+
+@pytest.mark.parametrize("outs,judged,said", JUDGED)
+def test_where_ranks_differ_the_rank_judged_is_the_furthest_on_what_differs(outs: list, judged: int, said: str) -> None:
+    from harness.parallel.launch import Parallel
+
+    par = Parallel("fsdp:2", ["sim:0", "sim:1"], backends=[], dist_backend="gloo", deadline_s=10)
+    try:
+        par.ranks = [{"rank": 0, "device": "sim:0"}, {"rank": 1, "device": "sim:1"}]
+        got = par._judged(outs, _outs(1.0, 2.0))
+        assert got is outs[judged] and said in par.note, par.note
+    finally:
+        par.close()
+
+
 @pytest.mark.parametrize("text,world,kinds,names", SPECS)
 def test_a_spec_reads_as_its_mesh(text: str, world: int, kinds: tuple, names: tuple) -> None:
     spec = parse(text)
@@ -222,6 +249,13 @@ def test_a_bug_on_one_ranks_device_is_caught_with_the_rank_named_and_a_dead_or_h
     assert rc == 0, err[-3000:]
     assert rows[0]["outcome"] == "drift" and rows[0]["first_drift_module"] == "model.layers.0.input_layernorm", rows[0]
     assert "first drifting module is model.layers.0.input_layernorm on rank 1 (sim:1)" in rows[0]["error_message"]
+    # FSDP2 training: rank 1's own loss drifts, the reduced gradients carry it to every rank: rank 1 is named, and
+    # the first parameter whose (unsharded) gradient drifts
+    rc, rows, err = _run(tmp_path, "train", [("bert", "base")], *base[:3], "fsdp:2", *base[4:], "--mode", "train",
+                         env={**plant, "PLANTED_BUG": "layer_norm:0.01"})
+    assert rc == 0, err[-3000:]
+    assert rows[0]["outcome"] == "drift" and "judged: rank 1 (sim:1)" in rows[0]["error_message"], rows[0]["error_message"]
+    assert rows[0]["first_drift_param"] == "embeddings.word_embeddings.weight", rows[0]["error_message"]
     for how, outcome, said in (("segv", "crash", "rank 1 (sim:1, in phase step) died: SIGSEGV"),
                                ("hang", "timeout", "rank 1 (sim:1, in phase step) did not finish")):
         rc, rows, err = _run(tmp_path, how, [("bert", "base")], *base[:-1], "40",

@@ -277,13 +277,17 @@ class Parallel:
         outputs differ from the others' (replicated data: they should agree)."""
         gaps = [_gap(o, reference) for o in outs]
         differ = [r for r in range(1, len(outs)) if not _same(outs[r], outs[0])]
-        worst = max(range(len(outs)), key=lambda r: gaps[r])
+        # where ranks differ, the rank at fault is furthest on what differs (FSDP's gradients are reduced: the
+        # same on every rank, however far; the rank's own loss is not), then on everything
+        own = [k for k in outs[0] if not all(k in o and _same({k: o[k]}, {k: outs[0][k]}) for o in outs[1:])]
+        local = [_gap({k: o[k] for k in own if k in o}, reference) for o in outs]
+        worst = max(range(len(outs)), key=lambda r: (local[r], gaps[r]))
         for r, g in enumerate(gaps):
             self.ranks[r]["max_rel_from_reference"] = g
         if differ:
             self.note = (f"ranks' outputs differ ({', '.join(f'rank {r}' for r in [0, *differ])}): the drift is before "
                          f"the collectives, on a rank; judged: rank {worst} ({self.devices[worst]}), the furthest from "
-                         "the CPU reference")
+                         f"the CPU reference on what differs ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''})")
         else:
             self.note = "every rank's outputs agree: what is judged is the collectives' reduced result"
         return outs[worst]
@@ -294,8 +298,14 @@ def _waited(err: dict[str, Any]) -> bool:
     return any(w in text for w in ("timed out", "timeout", "late or hung", "no peer process died"))
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same keys and the same tensors under them (other values are not outputs)."""
+    def equal(x: Any, y: Any) -> bool:
+        if not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
+            return True
+        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+
+    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
 
 
 def _gap(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
