@@ -130,6 +130,7 @@ def test_bad_parallel_input_is_one_line_before_anything_is_written(tmp_path: Pat
         (["--parallel", "ddp:2", "--perf", "--collectives", "warp:9"], "warp:9"),
         (["--parallel", "ddp:2", "--harvest"], "not with --harvest yet"),
         (["--dist-backend", "gloo"], "only with --parallel"),
+        (["--parallel", "ddp:2", "--target", "cuda", "--executor", "ray"], "not with --executor ray on cuda yet"),
     ]
     for extra, said in cases:
         line = _refused(capsys, ["run", "--list", bert, "--db", db, "--quiet", *extra])

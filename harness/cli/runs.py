@@ -172,7 +172,7 @@ def _parallel_options(args: argparse.Namespace, adapter: Any) -> dict[str, Any]:
         raise ValueError(f"{what}: not with --harvest yet (the reference's op calls are one device's)")
     if getattr(args, "executor", "local") != "local" and adapter.ray_assigns:
         raise ValueError(f"{what}: not with --executor ray on {adapter.kind} yet (Ray picks its chips "
-                         "itself; a group's actor would have to learn which)")
+                         "itself; the group's worker would have to learn which its bundles got); run it with the local executor")
     if args.dist_backend is None:
         adapter.dist_backend()  # ValueError when the target's device type has no c10d backend
     return {"parallel": str(spec)} if args.parallel else {}

@@ -1,6 +1,7 @@
 """The node side of a run on a Ray cluster: one long-lived actor per device, a worker like worker.py's.
 
-An actor holds one device (its Ray resource), loads the backend once and runs models one by one
+An actor holds one device (its Ray resource; a --parallel group's actor holds none, its ranks' actors
+hold them: `rayranks.py`), loads the backend once and runs models one by one
 through the same `run_task` as a local worker, so its rows are the same; on its main thread, as a
 local worker does, so that a fatal signal the process sends itself (a driver's abort, sim's crash
 fault) stops the model where it is. What the driver needs to know about a job in flight, the actor
