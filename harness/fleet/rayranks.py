@@ -77,7 +77,8 @@ class RankActor:
 
         ctx = ray.get_runtime_context()
         code = main([job_dir])
-        return {"code": code, "pid": os.getpid(), "placement_group": ctx.get_placement_group_id() or ""}
+        return {"code": code, "pid": os.getpid(), "ray_actor": ctx.get_actor_id() or "",
+                "placement_group": ctx.get_placement_group_id() or ""}
 
 
 class RayRank:
@@ -85,7 +86,7 @@ class RayRank:
 
     def __init__(self, actor: Any, ref: Any, log: Path, where: dict[str, Any]) -> None:
         self.actor, self.ref, self.log = actor, ref, log
-        self.where = where  # the row's: its bundle, then the placement group and pid the actor itself reported
+        self.where = where  # the row's: its bundle, then its pid, actor and placement group as the actor reported
         self.returncode: int | None = None
         self.killed = False
         self.why = ""  # how it died, where its returncode cannot say
@@ -106,7 +107,7 @@ class RayRank:
             if self.returncode == 1:
                 self.why = f"its actor's process ended with no fatal-signal report (Ray: {_exit_detail(str(e))})"
             return self.returncode
-        self.where.update(pid=got["pid"], placement_group=got["placement_group"])
+        self.where.update(pid=got["pid"], ray_actor=got["ray_actor"], placement_group=got["placement_group"])
         self.returncode = int(got["code"])
         ray.kill(self.actor, no_restart=True)  # its bundle's device free for the next run at once
         return self.returncode
@@ -145,5 +146,4 @@ class RayStarter:
         actor = self.actor_cls.options(num_cpus=0, resources={self.resource: 1}, max_restarts=0,
                                        scheduling_strategy=strategy).remote()
         ref = actor.run.remote(str(job_dir), rank, {**self.env, **env})
-        return RayRank(actor, ref, job_dir / f"rank{rank}.log",
-                       {"placement_group_bundle": rank, "ray_actor": actor._actor_id.hex()})
+        return RayRank(actor, ref, job_dir / f"rank{rank}.log", {"placement_group_bundle": rank})
