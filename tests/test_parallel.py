@@ -11,6 +11,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -202,10 +203,20 @@ def _run(tmp_path: Path, name: str, pairs: list, *extra: str, env: dict | None =
 
 
 def _no_rank_left(tmp_path: Path) -> None:
-    """No rank of this test's runs is running (their job directories are under its tmp_path)."""
-    left = subprocess.run(["pgrep", "-f", f"harness.parallel.rank {tmp_path}"], capture_output=True,
-                          text=True).stdout.split()
-    assert not left, f"rank processes left running: {left}"
+    """No process of this test's runs is running: no rank, no worker, no forkserver (each run's environment
+    has TMPDIR=tmp_path; a forked rank's command line is its forkserver's, so it is found by environment)."""
+    mark = f"TMPDIR={tmp_path}".encode()
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if mark in (proc / "environ").read_bytes().split(b"\0"):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                left.append(f"{proc.name}: {cmdline!r}")
+        except OSError:  # gone, or not ours to read
+            continue
+    assert not left, f"processes of this test's runs left running: {left}"
 
 
 @pytest.mark.long
@@ -414,4 +425,50 @@ def test_an_op_or_a_collective_the_device_lacks_is_unsupported_op_naming_it_and_
     assert (r["outcome"], r["unsupported_op"]) == ("unsupported_op", "c10d::reduce_scatter_tensor"), r
     assert "does not support reduce_scatter_tensor" in r["error_message"] and r["error_message"].startswith("rank ")
     assert "quarantin" not in err
+    _no_rank_left(tmp_path)
+
+
+@pytest.mark.long
+def test_kill_9_of_the_supervisor_mid_group_leaves_nothing_and_resume_finishes_the_list(tmp_path: Path) -> None:
+    """The supervisor alone is SIGKILLed while a group runs: its workers, their ranks' forkserver and the ranks
+    all go (each dies with its parent), the finished rows stay, and --resume runs only the rest, once each."""
+    lst = tmp_path / "four.csv"
+    lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("distilbert", "base"), ("llama", "causal-lm"),
+                                            ("gpt2", "causal-lm")]))
+    db = tmp_path / "r.db"
+    args = [sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--quiet",
+            "--no-ref-cache", "--parallel", "ddp:2", *EXACT, "--retries", "0"]
+    env = {**_env(), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline, done = time.monotonic() + 300, 0
+    while time.monotonic() < deadline and not done:
+        time.sleep(0.2)
+        if db.exists():
+            try:
+                with sqlite3.connect(db, timeout=5) as c:
+                    done = c.execute("SELECT count(*) FROM results").fetchone()[0]
+            except sqlite3.OperationalError:
+                pass
+    assert done, "the run made no progress"
+    time.sleep(1.0)  # the next model's ranks are starting or running
+    proc.kill()  # the supervisor only: what it started must follow it
+    proc.wait()
+    for _ in range(50):  # the chain of parent-death signals takes a moment
+        try:
+            _no_rank_left(tmp_path)
+            break
+        except AssertionError:
+            time.sleep(0.2)
+    _no_rank_left(tmp_path)
+    with sqlite3.connect(db) as c:
+        before = dict(c.execute("SELECT model_id, finished_at FROM results").fetchall())
+    assert 1 <= len(before) < 4, before
+    r = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with sqlite3.connect(db) as c:
+        after = c.execute("SELECT model_id, outcome, finished_at FROM results").fetchall()
+    assert sorted(m for m, _, _ in after) == sorted(["tiny/bert/base", "tiny/distilbert/base", "tiny/llama/causal-lm",
+                                                     "tiny/gpt2/causal-lm"])  # each once
+    assert all(o == "pass" for _, o, _ in after), after
+    assert all(before[m] == f for m, _, f in after if m in before)  # the finished rows untouched
     _no_rank_left(tmp_path)

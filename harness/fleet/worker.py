@@ -45,7 +45,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | 
              host: str = "", start: Any = None) -> Measurement:
     """One model on this worker's device (on `host`: default this machine's name); a harness bug
     becomes a crash row, never a dead worker. `start`: how a --parallel group's ranks start
-    (`harness.parallel.launch.Starter`; None: as this worker's children)."""
+    (`harness.parallel.launch.Starter`; None: forked from this worker's own forkserver, `rankfork`)."""
     task = Task(**payload)
     task.target = device
     model_id = task.entry["id"]
@@ -91,10 +91,11 @@ def _dispatch(task: Task, on_phase: Callable[[str], None], start: Any = None) ->
 
         return run_one(task, on_phase, recorder=Harvest)
     if task.settings.get("parallel"):
+        from harness.fleet.rankfork import start_forked
         from harness.parallel.launch import for_task
 
         parallel = for_task(task.settings, task.target, task.backends, deadline_s=0.8 * task.timeout_s, env={},
-                            collectives=task.collectives, **({"start": start} if start is not None else {}))
+                            collectives=task.collectives, start=start if start is not None else start_forked)
         try:
             return run_one(task, on_phase, parallel=parallel)
         finally:
