@@ -355,3 +355,21 @@ def _private_mounts_fixture() -> Callable[..., Any]:
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     return run
+
+
+def rows_done(db: Path, at_least: int, timeout_s: float, running: Any = None) -> int:
+    """How many rows a run writing `db` has finished, polled until there are `at_least` (or `timeout_s` passes,
+    or the process `running` ends): a test that kills a run mid-way kills it after real progress."""
+    import sqlite3
+    import time
+
+    deadline, done = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline and done < at_least and (running is None or running.poll() is None):
+        time.sleep(0.2)
+        if db.exists():
+            try:
+                with sqlite3.connect(db, timeout=5) as c:
+                    done = c.execute("SELECT count(*) FROM results").fetchone()[0]
+            except sqlite3.OperationalError:  # the run is creating it
+                pass
+    return done

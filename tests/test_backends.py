@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import LIST_HEADER, list_rows
+from conftest import LIST_HEADER, list_rows, rows_done
 
 from harness.backends.errors import MISSING_OP
 from harness.results.store import ResultStore
@@ -97,16 +95,7 @@ def test_device_death_mid_run_is_a_device_error_then_quarantine_then_resume(toy_
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PORTHARNESS_", "TOY_"))}
     proc = subprocess.Popen([str(toy_python), "-m", "harness.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**base, "TOY_DEAD_FILE": str(dead)})
-    deadline = time.time() + 300
-    done = 0
-    while time.time() < deadline and done < 2 and proc.poll() is None:
-        time.sleep(0.2)
-        if db.exists():
-            try:
-                with sqlite3.connect(db, timeout=5) as c:
-                    done = c.execute("SELECT count(*) FROM results").fetchone()[0]
-            except sqlite3.OperationalError:
-                pass
+    rows_done(db, 2, 300, running=proc)
     dead.touch()  # the device dies mid-run
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LIST_HEADER, list_rows
+from conftest import LIST_HEADER, list_rows, rows_done
 
 from harness.parallel.spec import groups, members, parse
 
@@ -440,16 +440,7 @@ def test_kill_9_of_the_supervisor_mid_group_leaves_nothing_and_resume_finishes_t
             "--no-ref-cache", "--parallel", "ddp:2", *EXACT, "--retries", "0"]
     env = {**_env(), "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline, done = time.monotonic() + 300, 0
-    while time.monotonic() < deadline and not done:
-        time.sleep(0.2)
-        if db.exists():
-            try:
-                with sqlite3.connect(db, timeout=5) as c:
-                    done = c.execute("SELECT count(*) FROM results").fetchone()[0]
-            except sqlite3.OperationalError:
-                pass
-    assert done, "the run made no progress"
+    assert rows_done(db, 1, 300), "the run made no progress"
     time.sleep(1.0)  # the next model's ranks are starting or running
     proc.kill()  # the supervisor only: what it started must follow it
     proc.wait()

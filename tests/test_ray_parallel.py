@@ -24,14 +24,24 @@ from ray.cluster_utils import Cluster  # noqa: E402
 ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _cluster() -> Cluster:
+    """A real one-node Ray cluster with two sim devices (its processes take this test's environment)."""
+    return Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"sim": 2},
+                                                         "object_store_memory": 80 * 2**20, "include_dashboard": False})
+
+
+def _two(tmp_path: Path) -> tuple[Path, Path]:
+    """A list of bert (a layer norm) and llama (an RMS norm), and the DB a run of it writes."""
+    lst = tmp_path / "two.csv"
+    lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("llama", "causal-lm")]))
+    return lst, tmp_path / "r.db"
+
+
 @pytest.mark.long
 def test_a_group_is_a_placement_group_whose_ranks_are_actors_one_per_bundle(tmp_path: Path) -> None:
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"sim": 2},
-                                                      "object_store_memory": 80 * 2**20, "include_dashboard": False})
+    c = _cluster()
     try:
-        lst = tmp_path / "two.csv"
-        lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("llama", "causal-lm")]))
-        db = tmp_path / "r.db"
+        lst, db = _two(tmp_path)
         r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db),
                             "--executor", "ray", "--ray-address", c.address, "--parallel", "ddp:2", "--precision",
                             "highest", "--ops", "full", "--quiet", "--json"],
@@ -66,12 +76,9 @@ def test_a_rank_actor_that_dies_or_hangs_is_named_and_its_group_goes_on(tmp_path
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the cluster's processes are the node's
     monkeypatch.setenv("PLANTED_RANK", "1")
     monkeypatch.setenv("PLANTED_BUG", f"at_highest:{how}")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"sim": 2},
-                                                      "object_store_memory": 80 * 2**20, "include_dashboard": False})
+    c = _cluster()
     try:
-        lst = tmp_path / "two.csv"
-        lst.write_text(LIST_HEADER + list_rows([("bert", "base"), ("llama", "causal-lm")]))
-        db = tmp_path / "r.db"
+        lst, db = _two(tmp_path)
         r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db),
                             "--executor", "ray", "--ray-address", c.address, "--parallel", "ddp:2", "--backend",
                             "planted_bugs", "--precision", "highest", "--ops", "full", "--retries", "0",

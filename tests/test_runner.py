@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import LIST_HEADER, list_rows
+from conftest import LIST_HEADER, list_rows, rows_done
 
 from harness.fleet.runner import RunConfig, run_models, shard
 from harness.models.model_list import load_model_list
@@ -152,16 +151,7 @@ def test_kill_9_then_resume_loses_nothing(tmp_path: Path, patho) -> None:
     args = [sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db), "--jobs", "2",
             "--precision", "highest", "--ops", "full", "--quiet", "--timeout", "20", "--retries", "0"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    done = 0
-    while time.time() < deadline and done < 4:
-        time.sleep(0.2)
-        if db.exists():
-            try:
-                with sqlite3.connect(db, timeout=5) as c:
-                    done = c.execute("SELECT count(*) FROM results").fetchone()[0]
-            except sqlite3.OperationalError:
-                pass
+    done = rows_done(db, 4, 240)
     assert done >= 4, "run made no progress"
     os.killpg(proc.pid, signal.SIGKILL)  # the supervisor and every worker, mid-run
     proc.wait()
