@@ -16,9 +16,11 @@ group's devices with the run's environment, and waits:
 - a rank hangs: its peers fail at the collective timeout, or the job's deadline passes: the ranks still
   running are named with the phase they were in, and every rank is stopped (``timeout``).
 
-How a rank's process starts is the executor's (`Starter`): by default a child process of the worker, killed
-with it should the worker die (the kernel's parent-death signal); on Ray, an actor of its own in the group's
-placement group, one bundle per device (`harness.fleet.rayranks`). The supervision above is the same for both.
+How a rank's process starts is the executor's (`Starter`): `start_local`, a fresh interpreter, a child of the
+worker killed with it should the worker die (the kernel's parent-death signal); on the local pool, a fork of the
+worker's own server that has imported torch and transformers (`harness.fleet.rankfork`: a fork, not a 5 s
+import); on Ray, an actor of its own in the group's placement group, one bundle per device
+(`harness.fleet.rayranks`). The supervision above is the same for all three.
 """
 
 from __future__ import annotations
