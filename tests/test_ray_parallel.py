@@ -82,7 +82,8 @@ def test_a_rank_actor_that_dies_or_hangs_is_named_and_its_group_goes_on(tmp_path
         r = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--list", str(lst), "--db", str(db),
                             "--executor", "ray", "--ray-address", c.address, "--parallel", "ddp:2", "--backend",
                             "planted_bugs", "--precision", "highest", "--ops", "full", "--retries", "0",
-                            "--timeout", "60", "--quiet", "--json"], capture_output=True, text=True, timeout=900)
+                            "--timeout", "90", "--quiet", "--json"],  # the hang: caught at 72 s, the worker kept
+                           capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-3000:]
         assert json.loads(r.stdout)["workers_started"] == 1, r.stdout
         with ResultStore(db) as store:
