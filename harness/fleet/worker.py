@@ -18,7 +18,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from harness.run.attribution import classify_exception
 from harness.run.memory import cap_address_space
 from harness.run.pipeline import Task, run_one
 
+if TYPE_CHECKING:
+    from harness.parallel.launch import Starter
+
 
 def task_payload(task: Task) -> dict[str, Any]:
     """What crosses the pipe: plain data only."""
@@ -42,7 +45,7 @@ WORKER_IMPORTS = ("transformers.modeling_utils", "harness.run.pipeline")
 
 
 def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | None = None,
-             host: str = "", start: Any = None) -> Measurement:
+             host: str = "", start: Starter | None = None) -> Measurement:
     """One model on this worker's device (on `host`: default this machine's name); a harness bug
     becomes a crash row, never a dead worker. `start`: how a --parallel group's ranks start
     (`harness.parallel.launch.Starter`; None: forked from this worker's own forkserver, `rankfork`)."""
@@ -76,7 +79,7 @@ def run_task(payload: dict[str, Any], device: str, phase: Callable[..., None] | 
     return m
 
 
-def _dispatch(task: Task, on_phase: Callable[[str], None], start: Any = None) -> Measurement:
+def _dispatch(task: Task, on_phase: Callable[[str], None], start: Starter | None = None) -> Measurement:
     """The job by its kind: a model's run, a model's harvest, or one op variation (`Task.kind`)."""
     if task.kind == "variation":
         from harness.ops.variation import run_variation

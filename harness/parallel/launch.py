@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,9 +119,9 @@ class Parallel:
 
     def fields(self) -> dict[str, Any]:
         """The row's `parallel`: the spec, the mesh, each rank's device, phase and times."""
-        ranks = [{**r, **getattr(p, "where", {})} for r, p in zip(self.ranks, self.procs, strict=False)]
+        ranks = [{**r, **getattr(p, "where", {})} for r, p in zip_longest(self.ranks, self.procs)]
         return {"spec": str(self.spec), "mesh": dict(zip(self.spec.mesh_names, self.spec.mesh_shape, strict=True)),
-                "ranks": ranks or self.ranks, **({"note": self.note} if self.note else {}),
+                "ranks": ranks, **({"note": self.note} if self.note else {}),
                 **({"culprit": self.culprit} if self.culprit else {})}
 
     # -- one run of the step ------------------------------------------------------------------------
@@ -155,16 +156,15 @@ class Parallel:
                "collectives": self.collectives if self.runs == 1 else [],  # the judged settings' step only
                "localize": localize}
         (job_dir / "job.json").write_text(json.dumps(job, default=str))
-        procs = self._start(job_dir)
         try:
-            self._wait(job_dir, procs)
-        finally:
-            for p in procs:
+            self._wait(job_dir, self._start(job_dir))
+        finally:  # (a rank that could not start: those started before it are stopped too)
+            for p in self.procs:
                 if p.poll() is None:
                     p.kill()
-            for p in procs:
+            for p in self.procs:
                 p.wait(timeout=30)
-        outs = [torch.load(job_dir / f"rank{r}.out.pt", weights_only=False) for r in range(len(procs))]
+        outs = [torch.load(job_dir / f"rank{r}.out.pt", weights_only=False) for r in range(len(self.procs))]
         timed = self.ranks[0].pop("collectives", None)
         self.compiled = self.ranks[0].get("compiled", {})  # the row's graph and compile fields: rank 0's
         for r in self.ranks:
@@ -178,7 +178,7 @@ class Parallel:
             from harness.run.localize import ModuleOutput
 
             self.modules = [[ModuleOutput(**r) for r in torch.load(job_dir / f"rank{k}.modules.pt", weights_only=False)]
-                            for k in range(len(procs))]
+                            for k in range(len(self.procs))]
         return judged
 
     def _start(self, job_dir: Path) -> list[RankProcess]:
@@ -281,7 +281,7 @@ class Parallel:
         differ = [r for r in range(1, len(outs)) if not _same(outs[r], outs[0])]
         # where ranks differ, the rank at fault is furthest on what differs (FSDP's gradients are reduced: the
         # same on every rank, however far; the rank's own loss is not), then on everything
-        own = [k for k in outs[0] if not all(k in o and _same({k: o[k]}, {k: outs[0][k]}) for o in outs[1:])]
+        own = [k for k in outs[0] if any(k not in o or not _equal(o[k], outs[0][k]) for o in outs[1:])]
         local = [_gap({k: o[k] for k in own if k in o}, reference) for o in outs]
         worst = max(range(len(outs)), key=lambda r: (local[r], gaps[r]))
         for r, g in enumerate(gaps):
@@ -300,14 +300,15 @@ def _waited(err: dict[str, Any]) -> bool:
     return any(w in text for w in ("timed out", "timeout", "late or hung", "no peer process died"))
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same keys and the same tensors under them (other values are not outputs)."""
-    def equal(x: Any, y: Any) -> bool:
-        if not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
-            return True
-        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+def _equal(x: Any, y: Any) -> bool:
+    """The same tensor (values that are not tensors are not outputs)."""
+    if not (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
+        return True
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
 
-    return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
 
 
 def _gap(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
